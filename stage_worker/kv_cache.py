@@ -1,0 +1,224 @@
+"""The paged KV cache of one stage: a fixed pool of blocks, a block table per sequence.
+
+Owns the K and V memory of this stage's layers and which sequence holds which block. Memory is
+preallocated once to a budget; a sequence grows block by block and gives everything back on
+`release`. `plan_step` turns one micro-batch (which sequences, how many new tokens each) into a
+`StepLayout`: the slots each new token is written to and, per sequence, the slots its attention
+reads. The model only reads a layout; it never touches block tables.
+
+Knows nothing of the network, of sampling or of which requests the sequences belong to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+class KVCacheExhausted(RuntimeError):
+    """The pool has too few free blocks for a sequence's new tokens."""
+
+    def __init__(self, sequence_id: str, *, needed_blocks: int, free_blocks: int) -> None:
+        super().__init__(
+            f"KV cache full: sequence {sequence_id!r} needs {needed_blocks} more block(s), "
+            f"{free_blocks} free"
+        )
+        self.sequence_id = sequence_id
+        self.needed_blocks = needed_blocks
+        self.free_blocks = free_blocks
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    num_blocks: int  # blocks in the pool
+    block_size: int  # token slots per block
+    num_kv_heads: int  # key/value heads held on this device (after any tensor-parallel split)
+    head_dim: int  # width of one head
+
+    def bytes_per_block(self, *, num_layers: int, dtype: torch.dtype) -> int:
+        item = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * self.block_size * self.num_kv_heads * self.head_dim * item
+
+    @classmethod
+    def for_budget(
+        cls,
+        budget_bytes: int,
+        *,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_layers: int,
+        dtype: torch.dtype,
+    ) -> "CacheShape":
+        one = cls(1, block_size, num_kv_heads, head_dim).bytes_per_block(
+            num_layers=num_layers, dtype=dtype
+        )
+        if budget_bytes < one:
+            raise ValueError(
+                f"KV memory budget of {budget_bytes} bytes is below one block ({one} bytes); "
+                "raise --kv-memory"
+            )
+        return cls(budget_bytes // one, block_size, num_kv_heads, head_dim)
+
+
+@dataclass(frozen=True)
+class PrefillSpan:
+    """One sequence of a step that adds more than one token (or attends over a window)."""
+
+    rows: slice  # its new tokens' rows in the packed step
+    context_slots: torch.Tensor  # [L] slots of its whole context, oldest first, new ones last
+    mask: torch.Tensor | None  # [q, L] bool, True where a query may attend; None = plain causal
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Where one micro-batch's tokens live in the cache, computed once per step."""
+
+    seq_lens: tuple[int, ...]  # new tokens of each sequence, in packed order
+    positions: torch.Tensor  # [T] absolute position of every new token
+    write_slots: torch.Tensor  # [T] cache slot each new token's K and V are written to
+    decode_rows: torch.Tensor  # [D] rows of single-token sequences, batched together
+    decode_slots: torch.Tensor  # [D, Lmax] their context slots, padded
+    decode_mask: torch.Tensor  # [D, 1, 1, Lmax] bool, True for real (and in-window) slots
+    prefills: tuple[PrefillSpan, ...]  # every other sequence, one attention call each
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    def last_rows(self) -> torch.Tensor:
+        """[B] the row of each sequence's last new token (the one that is sampled)."""
+        ends = torch.tensor(self.seq_lens, dtype=torch.long).cumsum(0)
+        return ends - 1
+
+
+class PagedKVCache:
+    """K and V pools for a set of global layer ids, shared by every sequence on this stage."""
+
+    def __init__(
+        self,
+        shape: CacheShape,
+        *,
+        layer_ids: Iterable[int],
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.shape = shape
+        self.device = torch.device(device)
+        slots = shape.num_blocks * shape.block_size
+        # Per layer: [num_blocks * block_size, num_kv_heads, head_dim], one row per token slot.
+        self.k = {
+            i: torch.zeros(slots, shape.num_kv_heads, shape.head_dim, dtype=dtype, device=self.device)
+            for i in layer_ids
+        }
+        self.v = {i: torch.zeros_like(t) for i, t in self.k.items()}
+        self._free: list[int] = list(range(shape.num_blocks - 1, -1, -1))
+        self._tables: dict[str, list[int]] = {}
+        self._lengths: dict[str, int] = {}
+
+    @property
+    def blocks_total(self) -> int:
+        return self.shape.num_blocks
+
+    @property
+    def blocks_free(self) -> int:
+        return len(self._free)
+
+    def __contains__(self, sequence_id: str) -> bool:
+        return sequence_id in self._tables
+
+    def length(self, sequence_id: str) -> int:
+        """Tokens of this sequence already held in the cache (0 for an unknown sequence)."""
+        return self._lengths.get(sequence_id, 0)
+
+    def sequences(self) -> list[str]:
+        return list(self._tables)
+
+    def reserve(self, sequence_id: str, new_tokens: int) -> None:
+        """Make room for `new_tokens` more tokens of a sequence, all or nothing."""
+        table = self._tables.get(sequence_id, [])
+        need = -(-(self.length(sequence_id) + new_tokens) // self.shape.block_size) - len(table)
+        if need > len(self._free):
+            raise KVCacheExhausted(sequence_id, needed_blocks=need, free_blocks=len(self._free))
+        table = self._tables.setdefault(sequence_id, table)
+        self._lengths.setdefault(sequence_id, 0)
+        for _ in range(max(need, 0)):
+            table.append(self._free.pop())
+
+    def release(self, sequence_id: str) -> bool:
+        """Give a sequence's blocks back to the pool; False when it held none."""
+        table = self._tables.pop(sequence_id, None)
+        self._lengths.pop(sequence_id, None)
+        if table is None:
+            return False
+        self._free.extend(reversed(table))
+        return True
+
+    def plan_step(
+        self,
+        sequence_ids: Sequence[str],
+        seq_lens: Sequence[int],
+        *,
+        sliding_window: int | None = None,
+    ) -> StepLayout:
+        """Lay out a step whose sequences were all `reserve`d, and advance their lengths.
+
+        Each sequence's new tokens take positions `length .. length + n - 1`.
+        """
+        block = self.shape.block_size
+        positions: list[int] = []
+        write: list[int] = []
+        decode_rows: list[int] = []
+        decode_ctx: list[list[int]] = []
+        prefills: list[PrefillSpan] = []
+        row = 0
+        for seq, n in zip(sequence_ids, seq_lens, strict=True):
+            start = self._lengths[seq]
+            table = self._tables[seq]
+            end = start + n
+            slots = [table[p // block] * block + p % block for p in range(end)]
+            positions.extend(range(start, end))
+            write.extend(slots[start:])
+            windowed = sliding_window is not None and end > sliding_window
+            if n == 1 and not windowed:
+                decode_rows.append(row)
+                decode_ctx.append(slots)
+            else:
+                prefills.append(_prefill_span(row, start, end, slots, sliding_window))
+            self._lengths[seq] = end
+            row += n
+        width = max((len(s) for s in decode_ctx), default=0)
+        padded = torch.zeros(len(decode_ctx), width, dtype=torch.long)
+        mask = torch.zeros(len(decode_ctx), 1, 1, width, dtype=torch.bool)
+        for i, s in enumerate(decode_ctx):
+            padded[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+            mask[i, 0, 0, : len(s)] = True
+        return StepLayout(
+            seq_lens=tuple(seq_lens),
+            positions=torch.tensor(positions, dtype=torch.long),
+            write_slots=torch.tensor(write, dtype=torch.long, device=self.device),
+            decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=self.device),
+            decode_slots=padded.to(self.device),
+            decode_mask=mask.to(self.device),
+            prefills=tuple(prefills),
+        )
+
+
+def _prefill_span(
+    row: int, start: int, end: int, slots: list[int], sliding_window: int | None
+) -> PrefillSpan:
+    n = end - start
+    mask = None
+    if start > 0 or (sliding_window is not None and end > sliding_window):
+        q_pos = torch.arange(start, end).unsqueeze(1)  # [q, 1]
+        k_pos = torch.arange(end).unsqueeze(0)  # [1, L]
+        mask = k_pos <= q_pos
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
+    return PrefillSpan(
+        rows=slice(row, row + n),
+        context_slots=torch.tensor(slots, dtype=torch.long),
+        mask=mask,
+    )

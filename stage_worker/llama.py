@@ -1,0 +1,222 @@
+"""The math of a Llama-family decoder for one contiguous layer range (pure torch, no I/O).
+
+A `StageModel` holds the layers `[start, end)` under their global indices, plus the token
+embedding when `start == 0` and the final norm and LM head when `end == num_layers`. Its forward
+runs one micro-batch: the new tokens of several sequences packed into rows (prefill chunks and
+single decode tokens mixed), each at its own positions, reading and appending K/V through a
+caller-owned `PagedKVCache` and the step's `StepLayout`.
+
+Knows nothing of checkpoints, the network or sampling.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .kv_cache import PagedKVCache, StepLayout
+from .model_config import LayerRange, ModelConfig, RopeConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """[head_dim / 2] float32 inverse frequencies, with linear or Llama 3 scaling applied."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        old_len = rope.original_max_position_embeddings
+        low_wavelen = old_len / rope.low_freq_factor
+        high_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * torch.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, *, num_heads: int, num_kv_heads: int) -> None:
+        super().__init__()
+        # num_heads / num_kv_heads are the heads held here (per rank under tensor parallelism).
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = config.head_dim
+        hidden, d = config.hidden_size, config.head_dim
+        self.q_proj = nn.Linear(hidden, num_heads * d, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(hidden, num_kv_heads * d, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(hidden, num_kv_heads * d, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(num_heads * d, hidden, bias=config.o_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        *,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        layout: StepLayout,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, h, d]
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, kvh, d]
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, kvh, d]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k_pool[layout.write_slots] = k
+        v_pool[layout.write_slots] = v
+        out = torch.empty_like(q)  # [T, h, d]
+        if layout.decode_rows.numel():
+            qd = q[layout.decode_rows].unsqueeze(2)  # [D, h, 1, d]
+            kd = k_pool[layout.decode_slots].transpose(1, 2)  # [D, kvh, Lmax, d]
+            vd = v_pool[layout.decode_slots].transpose(1, 2)  # [D, kvh, Lmax, d]
+            od = self._sdpa(qd, kd, vd, mask=layout.decode_mask, causal=False)  # [D, h, 1, d]
+            out[layout.decode_rows] = od.squeeze(2)
+        for span in layout.prefills:
+            qp = q[span.rows].transpose(0, 1).unsqueeze(0)  # [1, h, n, d]
+            if span.mask is None:  # a fresh sequence: its context is exactly its new rows
+                kp = k[span.rows].transpose(0, 1).unsqueeze(0)  # [1, kvh, n, d]
+                vp = v[span.rows].transpose(0, 1).unsqueeze(0)
+                op = self._sdpa(qp, kp, vp, mask=None, causal=True)
+            else:
+                slots = span.context_slots.to(k_pool.device)
+                kp = k_pool[slots].transpose(0, 1).unsqueeze(0)  # [1, kvh, L, d]
+                vp = v_pool[slots].transpose(0, 1).unsqueeze(0)
+                mask = span.mask.to(k_pool.device)[None, None]  # [1, 1, n, L]
+                op = self._sdpa(qp, kp, vp, mask=mask, causal=False)
+            out[span.rows] = op.squeeze(0).transpose(0, 1)  # [n, h, d]
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+    def _sdpa(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        mask: torch.Tensor | None,
+        causal: bool,
+    ) -> torch.Tensor:
+        group = self.num_heads // self.num_kv_heads
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)  # [B, h, L, d]
+            v = v.repeat_interleave(group, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, *, intermediate_size: int) -> None:
+        super().__init__()
+        hidden, bias = config.hidden_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, *, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.self_attn = Attention(config, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads)
+        self.mlp = MLP(config, intermediate_size=config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        *,
+        cache: PagedKVCache,
+        layout: StepLayout,
+    ) -> torch.Tensor:
+        h = self.self_attn(
+            self.input_layernorm(x),
+            cos,
+            sin,
+            k_pool=cache.k[self.layer_id],
+            v_pool=cache.v[self.layer_id],
+            layout=layout,
+        )
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class StageModel(nn.Module):
+    """Layers `[start, end)` of a Llama-family model, with embedding and head where owned."""
+
+    def __init__(self, config: ModelConfig, layers: LayerRange) -> None:
+        super().__init__()
+        layers.check(config.num_layers)
+        self.config = config
+        self.layer_range = layers
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if layers.is_first else None
+        self.layers = nn.ModuleDict(
+            {str(i): DecoderLayer(config, layer_id=i) for i in layers}
+        )
+        last = layers.is_last(config.num_layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else None
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) if last else None
+        self.register_buffer("inv_freq", rope_inv_freq(config.rope, config.head_dim), persistent=False)
+
+    @property
+    def is_first(self) -> bool:
+        return self.embed_tokens is not None
+
+    @property
+    def is_last(self) -> bool:
+        return self.lm_head is not None
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin, each [T, 1, head_dim], computed in float32 then cast."""
+        freqs = positions.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]  # [T, d/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, d]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(
+        self,
+        inputs: torch.Tensor,
+        *,
+        cache: PagedKVCache,
+        layout: StepLayout,
+        logit_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run one packed micro-batch through this stage.
+
+        `inputs` is [T] token ids on the first stage, else [T, hidden] hidden states.
+        Returns [T, hidden] hidden states, or on the last stage [R, vocab] float32 logits for
+        `logit_rows` (every row when None).
+        """
+        x = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs  # [T, hidden]
+        cos, sin = self.rope(layout.positions, x.dtype)
+        for layer in self.layers.values():
+            x = layer(x, cos, sin, cache=cache, layout=layout)
+        if self.lm_head is None:
+            return x
+        if logit_rows is not None:
+            x = x[logit_rows]
+        return self.lm_head(self.norm(x)).float()  # [R, vocab]

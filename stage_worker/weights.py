@@ -1,0 +1,160 @@
+"""Reading a stage's own tensors from a Hugging Face safetensors checkpoint, and nothing else.
+
+Owns: finding which file holds each tensor (one `model.safetensors`, or shards listed in
+`model.safetensors.index.json`), reading exactly the tensors a layer range owns (recorded in
+`CheckpointReader.read`, so tests can prove nothing else was touched), building a `StageModel`
+from them, and the model id: a digest of the config and of every tensor's name, dtype and shape.
+
+Knows nothing of the network or of how the model is run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .llama import StageModel, rope_inv_freq
+from .model_config import ConfigError, LayerRange, ModelConfig
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that is missing files or tensors a stage needs."""
+
+
+class CheckpointReader:
+    """Lazily opens the safetensors files of a checkpoint and reads single tensors by name."""
+
+    def __init__(self, checkpoint: str | Path) -> None:
+        self.root = Path(checkpoint)
+        self.files = _tensor_files(self.root)  # tensor name -> file name
+        self.read: list[str] = []  # names of the tensors read so far, in order
+        self._handles: dict[str, object] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def get(self, name: str) -> torch.Tensor:
+        file = self.files.get(name)
+        if file is None:
+            raise CheckpointError(f"checkpoint {self.root} has no tensor {name!r}")
+        handle = self._handles.get(file)
+        if handle is None:
+            handle = self._handles[file] = safe_open(str(self.root / file), framework="pt")
+        self.read.append(name)
+        return handle.get_tensor(name)  # type: ignore[attr-defined]
+
+
+def owned_tensor_names(config: ModelConfig, layers: LayerRange) -> dict[str, str]:
+    """Map each parameter name of a `StageModel` to the checkpoint tensor it loads from."""
+    names: dict[str, str] = {}
+    if layers.is_first:
+        names["embed_tokens.weight"] = "model.embed_tokens.weight"
+    for i in layers:
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            names[f"layers.{i}.self_attn.{proj}.weight"] = f"model.layers.{i}.self_attn.{proj}.weight"
+        biased = ("q_proj", "k_proj", "v_proj") if config.qkv_bias else ()
+        biased += ("o_proj",) if config.o_bias else ()
+        for proj in biased:
+            names[f"layers.{i}.self_attn.{proj}.bias"] = f"model.layers.{i}.self_attn.{proj}.bias"
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            names[f"layers.{i}.mlp.{proj}.weight"] = f"model.layers.{i}.mlp.{proj}.weight"
+            if config.mlp_bias:
+                names[f"layers.{i}.mlp.{proj}.bias"] = f"model.layers.{i}.mlp.{proj}.bias"
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            names[f"layers.{i}.{norm}.weight"] = f"model.layers.{i}.{norm}.weight"
+    if layers.is_last(config.num_layers):
+        names["norm.weight"] = "model.norm.weight"
+        names["lm_head.weight"] = "lm_head.weight"
+    return names
+
+
+def load_stage(
+    checkpoint: str | Path,
+    layers: LayerRange,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    config: ModelConfig | None = None,
+    reader: CheckpointReader | None = None,
+) -> StageModel:
+    """Build the `StageModel` of `layers`, reading only the tensors it owns."""
+    config = config or ModelConfig.from_checkpoint(checkpoint)
+    layers.check(config.num_layers)
+    reader = reader or CheckpointReader(checkpoint)
+    with torch.device("meta"):
+        model = StageModel(config, layers)
+    loaded: dict[str, torch.Tensor] = {}  # checkpoint name -> tensor, so a tied head is shared
+    state: dict[str, torch.Tensor] = {}
+    for param, source in owned_tensor_names(config, layers).items():
+        if param == "lm_head.weight" and source not in reader:
+            if not config.tie_word_embeddings:
+                raise CheckpointError(
+                    f"checkpoint {reader.root} has no tensor 'lm_head.weight' and its config "
+                    "does not tie word embeddings"
+                )
+            source = "model.embed_tokens.weight"
+        if source not in loaded:
+            tensor = reader.get(source)
+            expected = tuple(_param_shape(model, param))
+            if tuple(tensor.shape) != expected:
+                raise CheckpointError(
+                    f"checkpoint tensor {source!r} has shape {tuple(tensor.shape)}, "
+                    f"the config needs {expected}"
+                )
+            loaded[source] = tensor.to(device=device, dtype=dtype)
+        state[param] = loaded[source]
+    model.load_state_dict(state, strict=True, assign=True)
+    model.inv_freq = rope_inv_freq(config.rope, config.head_dim).to(device)
+    return model.eval()
+
+
+def _param_shape(model: StageModel, name: str) -> torch.Size:
+    module_name, _, attr = name.rpartition(".")
+    return getattr(model.get_submodule(module_name), attr).shape
+
+
+def model_id(checkpoint: str | Path) -> str:
+    """A digest of the config and of every tensor's name, dtype and shape (not its bytes)."""
+    root = Path(checkpoint)
+    config = json.loads((root / "config.json").read_text())
+    config.pop("transformers_version", None)
+    config.pop("_name_or_path", None)
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    headers: dict[str, object] = {}
+    for file in sorted(set(_tensor_files(root).values())):
+        header = _read_header(root / file)
+        headers.update({k: [v["dtype"], v["shape"]] for k, v in header.items() if k != "__metadata__"})
+    digest.update(json.dumps(headers, sort_keys=True).encode())
+    return digest.hexdigest()[:16]
+
+
+def _read_header(path: Path) -> dict[str, dict]:
+    with path.open("rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(size))
+
+
+def _tensor_files(root: Path) -> dict[str, str]:
+    if not (root / "config.json").is_file():
+        raise ConfigError(f"{root} is not a checkpoint directory: it has no config.json")
+    index = root / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no weight_map")
+        missing = sorted({f for f in weight_map.values() if not (root / f).is_file()})
+        if missing:
+            raise CheckpointError(f"checkpoint {root} is missing shard file(s): {', '.join(missing)}")
+        return dict(weight_map)
+    single = root / SINGLE_FILE
+    if not single.is_file():
+        raise CheckpointError(f"checkpoint {root} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+    return {name: SINGLE_FILE for name in _read_header(single) if name != "__metadata__"}

@@ -1,0 +1,168 @@
+"""The model core against transformers: logits, greedy decoding, layer splits, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from layerline.stage_worker.model_config import ConfigError, LayerRange, ModelConfig
+from layerline.stage_worker.weights import CheckpointError, CheckpointReader, load_stage, owned_tensor_names
+
+from .pipeline import LocalPipeline
+from .tiny_models import FAMILIES, make_tiny_checkpoint
+
+PROMPTS = {
+    "a": [1, 17, 42, 99, 3, 5, 8, 13, 21, 34, 55, 89, 144],
+    "b": [1, 7, 7, 7, 200],
+    "c": [1, 150, 2, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75],
+    "d": [9],
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def tiny(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(request.param)
+    hf = make_tiny_checkpoint(request.param, out)
+    return request.param, out, hf
+
+
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def test_prefill_logits_match_transformers(tiny):
+    _, path, hf = tiny
+    pipe = LocalPipeline([load_stage(path, LayerRange(0, 4))])
+    for ids in PROMPTS.values():
+        pipe = LocalPipeline([pipe.stages[0]])
+        ours = pipe.step({"s": ids}, all_logits=True)
+        torch.testing.assert_close(ours, hf_logits(hf, ids), atol=1e-4, rtol=0)
+
+
+def test_mixed_batch_and_chunked_prefill_match_transformers(tiny):
+    """Sequences at different positions share a step: chunks of prompts beside decode tokens."""
+    _, path, hf = tiny
+    pipe = LocalPipeline([load_stage(path, LayerRange(0, 4))])
+    a, c = PROMPTS["a"], PROMPTS["c"]
+    pipe.step({"a": a[:5], "c": c[:1]})
+    # a: a second prefill chunk; c: one decode-shaped token at position 1; d: a fresh sequence.
+    logits = pipe.step({"a": a[5:11], "c": c[1:2], "d": PROMPTS["d"]}, all_logits=True)
+    torch.testing.assert_close(logits[0:6], hf_logits(hf, a[:11])[5:11], atol=1e-4, rtol=0)
+    torch.testing.assert_close(logits[6], hf_logits(hf, c[:2])[1], atol=1e-4, rtol=0)
+    torch.testing.assert_close(logits[7], hf_logits(hf, PROMPTS["d"])[0], atol=1e-4, rtol=0)
+
+
+def test_greedy_32_tokens_equal_transformers_generate(tiny):
+    _, path, hf = tiny
+    pipe = LocalPipeline([load_stage(path, LayerRange(0, 4))])
+    ours = pipe.greedy(PROMPTS, 32)  # all four sequences decode together in one batch
+    for name, ids in PROMPTS.items():
+        assert ours[name] == hf_greedy(hf, ids, 32), name
+
+
+@pytest.mark.parametrize("cuts", [(2,), (1, 3)])
+def test_split_ranges_chain_to_the_unsplit_logits(tiny, cuts):
+    _, path, _ = tiny
+    whole = LocalPipeline([load_stage(path, LayerRange(0, 4))])
+    bounds = (0, *cuts, 4)
+    readers = [CheckpointReader(path) for _ in cuts + (4,)]
+    stages = [
+        load_stage(path, LayerRange(s, e), reader=r)
+        for (s, e), r in zip(zip(bounds, bounds[1:]), readers)
+    ]
+    split = LocalPipeline(stages)
+    for ids in (PROMPTS["a"], PROMPTS["c"]):
+        torch.testing.assert_close(
+            split.step({ids[0]: ids}, all_logits=True),
+            whole.step({ids[0]: ids}, all_logits=True),
+            atol=1e-5,
+            rtol=0,
+        )
+    config = ModelConfig.from_checkpoint(path)
+    for (s, e), reader in zip(zip(bounds, bounds[1:]), readers):
+        owned = set(owned_tensor_names(config, LayerRange(s, e)).values())
+        if config.tie_word_embeddings and e == 4:
+            owned = owned - {"lm_head.weight"} | {"model.embed_tokens.weight"}
+        assert set(reader.read) == owned
+        assert len(reader.read) == len(owned)  # nothing read twice
+        assert all(
+            n.startswith(("model.embed_tokens", "model.norm", "lm_head"))
+            or s <= int(n.split(".")[2]) < e
+            for n in reader.read
+        )
+
+
+def test_sharded_checkpoint_opens_only_the_shards_it_needs(tmp_path):
+    hf = make_tiny_checkpoint("llama3", tmp_path, max_shard_size="40KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 3
+    reader = CheckpointReader(tmp_path)
+    stage = load_stage(tmp_path, LayerRange(2, 4), reader=reader)
+    opened = set(reader._handles)
+    needed = {index["weight_map"][n] for n in reader.read}
+    assert opened == needed
+    assert len(opened) < len(set(index["weight_map"].values()))
+    first = load_stage(tmp_path, LayerRange(0, 2))
+    logits = LocalPipeline([first, stage]).step({"s": PROMPTS["a"]}, all_logits=True)
+    torch.testing.assert_close(logits, hf_logits(hf, PROMPTS["a"]), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_tracks_transformers_at_the_same_dtype(tmp_path, dtype):
+    hf = make_tiny_checkpoint("smollm2", tmp_path).to(dtype)
+    pipe = LocalPipeline([load_stage(tmp_path, LayerRange(0, 4), dtype=dtype)])
+    ours = pipe.step({"s": PROMPTS["a"]}, all_logits=True)
+    theirs = hf_logits(hf, PROMPTS["a"])
+    assert ours.dtype == torch.float32
+    assert (ours - theirs).abs().max().item() < 0.1
+    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item() >= 0.9
+
+
+def test_missing_tensor_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    make_tiny_checkpoint("llama3", tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    load_stage(tmp_path, LayerRange(2, 4))  # a range that does not need it still loads
+    with pytest.raises(CheckpointError, match=r"no tensor 'model\.layers\.1\.mlp\.up_proj\.weight'"):
+        load_stage(tmp_path, LayerRange(0, 2))
+
+
+def test_unsupported_architecture_is_refused_naming_the_field(tmp_path):
+    make_tiny_checkpoint("llama3", tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    with pytest.raises(ConfigError, match="model_type = 'gpt2' is not supported"):
+        ModelConfig.from_dict({**raw, "model_type": "gpt2"})
+    with pytest.raises(ConfigError, match="hidden_act = 'gelu'"):
+        ModelConfig.from_dict({**raw, "hidden_act": "gelu"})
+    with pytest.raises(ConfigError, match="rope_type = 'yarn'"):
+        ModelConfig.from_dict({**raw, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}})
+    with pytest.raises(ConfigError, match="num_attention_heads = 4 is not a multiple of num_key_value_heads = 3"):
+        ModelConfig.from_dict({**raw, "num_key_value_heads": 3})
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "model_type": "mamba"}))
+    with pytest.raises(ConfigError, match="model_type = 'mamba'"):
+        load_stage(tmp_path, LayerRange(0, 1))
+
+
+@pytest.mark.parametrize("text", ["0:0", "3:2", "-1:2", "0:5", "4:5", "2", "a:b"])
+def test_bad_layer_ranges_are_refused(text):
+    with pytest.raises(ConfigError, match=r"layer range"):
+        LayerRange.parse(text, num_layers=4)
+
+
+def test_layer_range_parses_half_open():
+    rng = LayerRange.parse("0:4", num_layers=4)
+    assert (rng.start, rng.end, len(rng), str(rng)) == (0, 4, 4, "[0, 4)")
+    assert rng.is_first and rng.is_last(4)
