@@ -1,0 +1,192 @@
+"""One stage's step execution: validate a micro-batch, run the layers, sample on the last stage.
+
+Owns the `StageModel`, its `PagedKVCache` and the rules a step must satisfy. A step is checked
+sequence by sequence: a sequence that breaks a rule (positions that skip or repeat, token ids
+outside the vocabulary, an unknown sequence, a cache that cannot hold it) is dropped from the
+step with a typed error while the others run. Works on plain dataclasses and tensors; the
+servicer turns wire frames into these and back.
+
+Knows nothing of gRPC, of the next hop or of which requests the sequences belong to.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .kv_cache import KVCacheExhausted, PagedKVCache
+from .llama import StageModel
+from .sampler import Draw, SamplingParams, sample
+
+
+class StepInputError(ValueError):
+    """A step, or one sequence of it, that breaks the rules of the wire contract."""
+
+
+@dataclass(frozen=True)
+class SequenceStep:
+    sequence_id: str
+    positions: tuple[int, ...]  # consecutive, starting at the tokens the cache already holds
+    token_ids: tuple[int, ...] = ()  # the new tokens (first stage); empty on later stages
+    sampling: SamplingParams | None = None  # what the last stage samples with
+    history: tuple[int, ...] = ()  # token ids so far, for the repetition penalty
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.positions)
+
+
+@dataclass(frozen=True)
+class SequenceError:
+    sequence_id: str
+    error: Exception  # a StepInputError or KVCacheExhausted
+
+
+@dataclass
+class StepOutput:
+    kept: list[SequenceStep]  # the sequences that ran, in packed order
+    hidden: torch.Tensor | None = None  # [T, hidden] of the kept sequences (not the last stage)
+    draws: dict[str, Draw] = field(default_factory=dict)  # sequence id -> token (last stage)
+    errors: list[SequenceError] = field(default_factory=list)
+
+
+class StageEngine:
+    """Runs steps in arrival order on one thread; everything it owns is touched only there."""
+
+    def __init__(self, model: StageModel, cache: PagedKVCache, *, max_step_tokens: int = 8192) -> None:
+        self.model = model
+        self.cache = cache
+        self.config = model.config
+        self.max_step_tokens = max_step_tokens
+        self.dtype = next(model.parameters()).dtype
+        self._lock = threading.Lock()
+
+    @property
+    def is_first(self) -> bool:
+        return self.model.is_first
+
+    @property
+    def is_last(self) -> bool:
+        return self.model.is_last
+
+    def release(self, sequence_id: str) -> bool:
+        with self._lock:
+            return self.cache.release(sequence_id)
+
+    @torch.inference_mode()
+    def run(self, seqs: Sequence[SequenceStep], hidden: torch.Tensor | None = None) -> StepOutput:
+        """Run one micro-batch. `hidden` is [sum of tokens, hidden_size] on later stages."""
+        with self._lock:
+            return self._run(seqs, hidden)
+
+    def _run(self, seqs: Sequence[SequenceStep], hidden: torch.Tensor | None) -> StepOutput:
+        self._check_step(seqs, hidden)
+        out = StepOutput(kept=[])
+        rows: list[torch.Tensor] = []
+        row = 0
+        seen: set[str] = set()
+        for seq in seqs:
+            n = seq.num_tokens
+            try:
+                if seq.sequence_id in seen:
+                    raise StepInputError(f"sequence {seq.sequence_id!r} appears twice in one step")
+                seen.add(seq.sequence_id)
+                self._check_sequence(seq)
+                self.cache.reserve(seq.sequence_id, n)
+            except (StepInputError, KVCacheExhausted) as err:
+                out.errors.append(SequenceError(seq.sequence_id, err))
+            else:
+                out.kept.append(seq)
+                rows.append(torch.arange(row, row + n))
+            row += n
+        if not out.kept:
+            return out
+        if self.is_first:
+            inputs = torch.tensor([t for s in out.kept for t in s.token_ids], dtype=torch.long)
+        else:
+            assert hidden is not None
+            inputs = hidden[torch.cat(rows)] if len(out.kept) < len(seqs) else hidden
+            inputs = inputs.to(device=self.cache.device, dtype=self.dtype)
+        layout = self.cache.plan_step(
+            [s.sequence_id for s in out.kept],
+            [s.num_tokens for s in out.kept],
+            sliding_window=self.config.sliding_window,
+        )
+        if not self.is_last:
+            out.hidden = self.model(inputs, cache=self.cache, layout=layout)
+            return out
+        logits = self.model(inputs, cache=self.cache, layout=layout, logit_rows=layout.last_rows())
+        params = [s.sampling or SamplingParams() for s in out.kept]
+        draws = sample(
+            logits,
+            params,
+            histories=[s.history for s in out.kept],
+            positions=[s.positions[-1] + 1 for s in out.kept],
+        )
+        out.draws = {s.sequence_id: d for s, d in zip(out.kept, draws)}
+        return out
+
+    def _check_step(self, seqs: Sequence[SequenceStep], hidden: torch.Tensor | None) -> None:
+        total = sum(s.num_tokens for s in seqs)
+        if total > self.max_step_tokens:
+            raise StepInputError(
+                f"step carries {total} tokens, above this stage's limit of {self.max_step_tokens}"
+            )
+        if self.is_first:
+            if hidden is not None:
+                raise StepInputError("the first stage takes token ids, not hidden states")
+            return
+        if hidden is None:
+            raise StepInputError(f"stage {self.model.layer_range} needs hidden states, none were sent")
+        expected = (total, self.config.hidden_size)
+        if tuple(hidden.shape) != expected:
+            raise StepInputError(
+                f"hidden states have shape {tuple(hidden.shape)}, the step's positions need {expected}"
+            )
+
+    def _check_sequence(self, seq: SequenceStep) -> None:
+        sid = seq.sequence_id
+        if not sid:
+            raise StepInputError("sequence_id must not be empty")
+        if not seq.positions:
+            raise StepInputError(f"sequence {sid!r} has no positions")
+        held = self.cache.length(sid)
+        if seq.positions[0] != held:
+            if held == 0 and sid not in self.cache:
+                raise StepInputError(
+                    f"unknown sequence id {sid!r}: it holds no tokens here, so its positions "
+                    f"must start at 0, not {seq.positions[0]}"
+                )
+            raise StepInputError(
+                f"sequence {sid!r} positions start at {seq.positions[0]}, expected {held} "
+                "(positions may not skip or repeat)"
+            )
+        if list(seq.positions) != list(range(held, held + seq.num_tokens)):
+            raise StepInputError(f"sequence {sid!r} positions must be consecutive")
+        if seq.positions[-1] >= self.config.max_position_embeddings:
+            raise StepInputError(
+                f"sequence {sid!r} position {seq.positions[-1]} exceeds the model's "
+                f"max_position_embeddings of {self.config.max_position_embeddings}"
+            )
+        if self.is_first:
+            if len(seq.token_ids) != seq.num_tokens:
+                raise StepInputError(
+                    f"sequence {sid!r} has {len(seq.token_ids)} token ids for {seq.num_tokens} positions"
+                )
+            bad = [t for t in seq.token_ids if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise StepInputError(
+                    f"sequence {sid!r} token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})"
+                )
+        if self.is_last and seq.sampling is not None:
+            try:
+                seq.sampling.check()
+            except ValueError as err:
+                raise StepInputError(f"sequence {sid!r} sampling {err}") from None
+            if any(not 0 <= t < self.config.vocab_size for t in seq.history):
+                raise StepInputError(
+                    f"sequence {sid!r} history holds a token id outside [0, {self.config.vocab_size})"
+                )

@@ -1,0 +1,146 @@
+"""Stage engine and sampler: per-sequence validation, KV exhaustion, sampling rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from layerline.stage_worker.engine import SequenceStep, StageEngine, StepInputError
+from layerline.stage_worker.kv_cache import CacheShape, KVCacheExhausted, PagedKVCache
+from layerline.stage_worker.model_config import LayerRange
+from layerline.stage_worker.sampler import SamplingParams, sample
+from layerline.stage_worker.weights import load_stage
+
+from .tiny_models import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("engine")
+    make_tiny_checkpoint("smollm2", path)
+    return path
+
+
+def engine(ckpt, layers: LayerRange, *, num_blocks: int = 32) -> StageEngine:
+    model = load_stage(ckpt, layers)
+    cfg = model.config
+    cache = PagedKVCache(
+        CacheShape(num_blocks, 4, cfg.num_kv_heads, cfg.head_dim), layer_ids=layers, dtype=torch.float32
+    )
+    return StageEngine(model, cache)
+
+
+def two_stage_greedy(first: StageEngine, last: StageEngine, prompts: dict[str, list[int]], n: int):
+    out = {s: [] for s in prompts}
+    steps = [SequenceStep(s, tuple(range(len(p))), tuple(p)) for s, p in prompts.items()]
+    for _ in range(n):
+        a = first.run(steps)
+        b = last.run(a.kept, a.hidden)
+        assert not a.errors and not b.errors
+        steps = []
+        for s in prompts:
+            tok = b.draws[s].token_id
+            out[s].append(tok)
+            pos = len(prompts[s]) + len(out[s]) - 1
+            steps.append(SequenceStep(s, (pos,), (tok,)))
+    return out
+
+
+def test_two_engines_decode_like_one_pipeline(ckpt):
+    from .pipeline import LocalPipeline
+
+    prompts = {"x": [1, 5, 9, 30, 31], "y": [1, 2], "z": [7] * 11}
+    got = two_stage_greedy(engine(ckpt, LayerRange(0, 2)), engine(ckpt, LayerRange(2, 4)), prompts, 12)
+    ref = LocalPipeline([load_stage(ckpt, LayerRange(0, 4))]).greedy(prompts, 12)
+    assert got == ref
+
+
+def test_bad_sequences_fail_alone(ckpt):
+    first = engine(ckpt, LayerRange(0, 2))
+    first.run([SequenceStep("known", (0, 1, 2), (1, 2, 3))])
+    out = first.run(
+        [
+            SequenceStep("known", (3,), (4,)),  # fine
+            SequenceStep("skip", (0, 2), (1, 2)),  # positions skip
+            SequenceStep("known2", (0,), (9999,)),  # outside the vocabulary
+            SequenceStep("ghost", (7,), (1,)),  # unknown sequence
+            SequenceStep("known", (4,), (5,)),  # twice in one step
+        ]
+    )
+    assert [s.sequence_id for s in out.kept] == ["known"]
+    msgs = {e.sequence_id: str(e.error) for e in out.errors}
+    assert "consecutive" in msgs["skip"]
+    assert "token id 9999 is outside the vocabulary [0, 211)" in msgs["known2"]
+    assert "unknown sequence id 'ghost'" in msgs["ghost"]
+    assert "appears twice" in msgs["known"]
+    assert out.hidden is not None and out.hidden.shape == (1, 48)
+    repeat = first.run([SequenceStep("known", (3,), (4,))])
+    assert "start at 3, expected 4" in str(repeat.errors[0].error)
+    assert first.cache.sequences() == ["known"]  # no blocks held for the rejected sequences
+
+
+def test_hidden_shape_must_match_positions(ckpt):
+    last = engine(ckpt, LayerRange(2, 4))
+    with pytest.raises(StepInputError, match=r"hidden states have shape \(3, 48\)"):
+        last.run([SequenceStep("a", (0, 1), ())], torch.zeros(3, 48))
+
+
+def test_kv_exhaustion_fails_only_the_sequence_that_does_not_fit(ckpt):
+    first = engine(ckpt, LayerRange(0, 2), num_blocks=4)  # 16 token slots
+    out = first.run(
+        [
+            SequenceStep("small", (0, 1, 2), (1, 2, 3)),
+            SequenceStep("big", tuple(range(20)), tuple(range(20))),
+            SequenceStep("small2", (0, 1, 2, 3, 4), (1, 2, 3, 4, 5)),
+        ]
+    )
+    assert [s.sequence_id for s in out.kept] == ["small", "small2"]
+    assert isinstance(out.errors[0].error, KVCacheExhausted)
+    assert "'big' needs 5 more block(s), 3 free" in str(out.errors[0].error)
+    assert first.cache.blocks_free == 1
+    assert first.release("small") and first.release("small2")
+    assert not first.release("big")
+    assert first.cache.blocks_free == first.cache.blocks_total == 4
+
+
+def test_greedy_and_top_k_one_agree_and_seeds_reproduce():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    greedy = sample(logits, [SamplingParams()] * 3, histories=[()] * 3, positions=[0, 1, 2])
+    assert [d.token_id for d in greedy] == logits.argmax(-1).tolist()
+    top1 = SamplingParams(temperature=1.0, top_k=1)
+    assert [d.token_id for d in sample(logits, [top1] * 3, histories=[()] * 3, positions=[0] * 3)] == [
+        d.token_id for d in greedy
+    ]
+    seeded = [SamplingParams(temperature=1.5, seed=7, top_p=0.9, min_p=0.01)] * 3
+    a = sample(logits, seeded, histories=[()] * 3, positions=[4, 4, 4])
+    b = sample(logits, seeded, histories=[()] * 3, positions=[4, 4, 4])
+    assert [d.token_id for d in a] == [d.token_id for d in b]
+    draws = [sample(logits[:1], seeded[:1], histories=[()], positions=[p])[0].token_id for p in range(40)]
+    assert len(set(draws)) > 1  # different positions draw differently
+
+
+def test_repetition_penalty_and_logprobs():
+    logits = torch.tensor([[2.0, 1.9, -1.0, 0.0]])
+    plain = sample(logits, [SamplingParams(logprobs=2)], histories=[(0,)], positions=[0])[0]
+    assert plain.token_id == 0
+    assert [t for t, _ in plain.top] == [0, 1]
+    assert plain.logprob == pytest.approx(torch.log_softmax(logits[0], -1)[0].item())
+    penalized = sample(logits, [SamplingParams(repetition_penalty=1.2)], histories=[(0,)], positions=[0])
+    assert penalized[0].token_id == 1
+
+
+@pytest.mark.parametrize(
+    "params,field",
+    [
+        (SamplingParams(temperature=-1), "temperature"),
+        (SamplingParams(top_p=0.0), "top_p"),
+        (SamplingParams(top_k=-2), "top_k"),
+        (SamplingParams(min_p=1.5), "min_p"),
+        (SamplingParams(repetition_penalty=0), "repetition_penalty"),
+        (SamplingParams(logprobs=21), "logprobs"),
+    ],
+)
+def test_bad_sampling_params_are_named(params, field):
+    with pytest.raises(ValueError, match=field):
+        params.check()
