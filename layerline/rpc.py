@@ -1,0 +1,39 @@
+"""gRPC settings every layerline process shares: channel and server options, size parsing.
+
+Owns the one list of channel options (message-size limits, keepalive) so that no module builds
+its own. Imports grpc only; safe for the client SDK.
+"""
+
+from __future__ import annotations
+
+import re
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+KEEPALIVE_MS = 10_000  # ping an idle long-lived stream this often
+KEEPALIVE_TIMEOUT_MS = 5_000  # and call it dead when a ping is not answered in this time
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'512MiB', '2G', '65536' -> bytes (binary units; a trailing 'b' or 'ib' is optional)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"size {text!r} is not a number with an optional unit (K, M, G, T), e.g. 512M")
+    number, unit = match.groups()
+    return int(float(number) * _UNITS[(unit or "").lower()[:1]])
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Options for a channel or a server: message-size limits and keepalive on idle streams."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+    ]

@@ -1,0 +1,263 @@
+"""Tensors to wire frames and back: the only module that touches tensor bytes.
+
+Owns the mapping between torch tensors and the `Tensor` / `TensorChunk` messages of
+`layerline/protos/v1/tensor.proto`: a dtype enum, a shape and raw little-endian bytes. Every frame
+from the network is validated before anything is allocated: a known dtype, at most
+`CodecLimits.max_dims` dims, every dim >= 0, element count times item size (computed with Python
+ints, so a huge shape cannot overflow) equal to the byte length and within
+`CodecLimits.max_tensor_bytes`, and chunks contiguous and in order. A bad frame raises
+`FrameError` (or its subclass `FrameLimitError` for a breached limit) whose message names the
+field and the rule. Nothing is pickled or `torch.load`ed, and decoded tensors own their memory
+(they never alias the protobuf's bytes).
+
+Must not know: what the tensors mean (hidden states, ids), models, KV caches, gRPC, steps.
+The wire is little-endian; like torch's own serialization this module runs only on
+little-endian hosts.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from layerline.protos.v1 import tensor_pb2
+
+if sys.byteorder != "little":
+    raise ImportError("the tensor codec needs a little-endian host: the wire is little-endian")
+
+
+@dataclass(frozen=True)
+class CodecLimits:
+    """What a received tensor may be at most."""
+
+    max_tensor_bytes: int = 1 << 30  # bytes of one tensor's data (whole or summed over its chunks)
+    max_dims: int = 8  # number of dimensions of one tensor
+
+    def __post_init__(self) -> None:
+        if self.max_tensor_bytes < 0:
+            raise ValueError(
+                f"CodecLimits.max_tensor_bytes = {self.max_tensor_bytes}: must be >= 0"
+            )
+        if self.max_dims < 0:
+            raise ValueError(f"CodecLimits.max_dims = {self.max_dims}: must be >= 0")
+
+
+class FrameError(ValueError):
+    """A tensor frame from the network is malformed (servicers answer INVALID_ARGUMENT)."""
+
+
+class FrameLimitError(FrameError):
+    """A tensor frame is well-formed but breaches a CodecLimits bound (RESOURCE_EXHAUSTED)."""
+
+
+_TORCH_DTYPE: dict[int, torch.dtype] = {
+    tensor_pb2.FLOAT32: torch.float32,
+    tensor_pb2.BFLOAT16: torch.bfloat16,
+    tensor_pb2.FLOAT16: torch.float16,
+    tensor_pb2.INT64: torch.int64,
+    tensor_pb2.INT32: torch.int32,
+}
+_WIRE_DTYPE: dict[torch.dtype, int] = {dt: wire for wire, dt in _TORCH_DTYPE.items()}
+
+
+def dtype_to_wire(dtype: torch.dtype) -> int:
+    """The `DType` enum value of a torch dtype; TypeError for one the wire does not carry."""
+    try:
+        return _WIRE_DTYPE[dtype]
+    except KeyError:
+        names = ", ".join(str(dt) for dt in _WIRE_DTYPE)
+        raise TypeError(f"dtype {dtype} cannot go on the wire; supported: {names}") from None
+
+
+def dtype_from_wire(value: int, *, field: str = "dtype") -> torch.dtype:
+    """The torch dtype of a `DType` enum value; FrameError naming `field` if unknown or unset."""
+    dtype = _TORCH_DTYPE.get(value)
+    if dtype is None:
+        known = ", ".join(f"{tensor_pb2.DType.Name(v)} ({v})" for v in _TORCH_DTYPE)
+        what = "dtype must be set" if value == tensor_pb2.DTYPE_UNSPECIFIED else "unknown dtype"
+        raise FrameError(f"{field} = {value}: {what}; expected one of {known}")
+    return dtype
+
+
+def _validated_nbytes(
+    dtype_value: int, shape: Sequence[int], *, limits: CodecLimits, field: str
+) -> tuple[torch.dtype, tuple[int, ...], int]:
+    """Checks dtype and shape against the rules and limits; returns (dtype, shape, byte count)."""
+    dtype = dtype_from_wire(dtype_value, field=f"{field}.dtype")
+    if len(shape) > limits.max_dims:
+        raise FrameLimitError(
+            f"{field}.shape has {len(shape)} dims: at most max_dims = {limits.max_dims} allowed"
+        )
+    for i, dim in enumerate(shape):
+        if dim < 0:
+            raise FrameError(f"{field}.shape[{i}] = {dim}: dimensions must be >= 0")
+    dims = tuple(int(d) for d in shape)
+    nbytes = math.prod(dims) * dtype.itemsize  # Python ints: exact for any shape
+    if nbytes > limits.max_tensor_bytes:
+        raise FrameLimitError(
+            f"{field}.shape {list(dims)} of {tensor_pb2.DType.Name(dtype_value)} is {nbytes} bytes:"
+            f" over max_tensor_bytes = {limits.max_tensor_bytes}"
+        )
+    return dtype, dims, nbytes
+
+
+def _tensor_from(buf: bytearray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Wraps a validated buffer (len(buf) == numel * itemsize) without copying it."""
+    if not buf:  # torch.frombuffer rejects empty buffers
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+def _bytes_of(t: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """(DType value, the tensor's bytes as a flat contiguous CPU uint8 tensor)."""
+    wire = dtype_to_wire(t.dtype)
+    if t.numel() == 0:
+        return wire, torch.empty(0, dtype=torch.uint8)
+    flat = t.detach().to("cpu").reshape(-1)  # [numel], row-major order
+    if flat.stride(0) != 1:  # torch calls size-1 dims contiguous whatever their stride
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return wire, flat.view(torch.uint8)  # [numel * itemsize]
+
+
+def _to_bytes(u8: torch.Tensor) -> bytes:
+    """One copy of a flat uint8 tensor's bytes (numpy only copies; it never sees a dtype)."""
+    return u8.numpy().tobytes()
+
+
+def encode(t: torch.Tensor) -> tensor_pb2.Tensor:
+    """The whole tensor in one message (any layout or device; sent row-major from the CPU)."""
+    wire, u8 = _bytes_of(t)
+    return tensor_pb2.Tensor(dtype=wire, shape=list(t.shape), data=_to_bytes(u8))
+
+
+def decode(msg: tensor_pb2.Tensor, *, limits: CodecLimits) -> torch.Tensor:
+    """The tensor of a message, validated first; the result owns its memory (a CPU tensor)."""
+    dtype, shape, nbytes = _validated_nbytes(msg.dtype, msg.shape, limits=limits, field="tensor")
+    data = msg.data
+    if len(data) != nbytes:
+        raise FrameError(
+            f"tensor.data is {len(data)} bytes: shape {list(shape)} of"
+            f" {tensor_pb2.DType.Name(msg.dtype)} needs {nbytes}"
+        )
+    return _tensor_from(bytearray(data), dtype, shape)
+
+
+def chunk(t: torch.Tensor, max_chunk_bytes: int) -> Iterator[tensor_pb2.TensorChunk]:
+    """The tensor as chunks of at most max_chunk_bytes data each (one chunk if it has no bytes)."""
+    if max_chunk_bytes <= 0:
+        raise ValueError(f"max_chunk_bytes = {max_chunk_bytes}: must be > 0")
+    wire, u8 = _bytes_of(t)
+    total = u8.numel()
+    yield tensor_pb2.TensorChunk(
+        dtype=wire,
+        shape=list(t.shape),
+        total_bytes=total,
+        offset=0,
+        data=_to_bytes(u8[:max_chunk_bytes]),
+    )
+    for offset in range(max_chunk_bytes, total, max_chunk_bytes):
+        yield tensor_pb2.TensorChunk(
+            offset=offset, data=_to_bytes(u8[offset : offset + max_chunk_bytes])
+        )
+
+
+class Reassembler:
+    """Turns the chunks of one tensor after another back into tensors.
+
+    Feed chunks in the order they arrive; `add` returns the tensor once its last chunk is in, and
+    None before. The first chunk is validated before anything is kept, and received bytes are
+    held only as they arrive (a header claiming a large tensor reserves nothing). After a
+    FrameError the partial tensor is dropped and the reassembler expects a first chunk again.
+    """
+
+    def __init__(self, *, limits: CodecLimits) -> None:
+        self._limits = limits
+        self._reset()
+
+    def _reset(self) -> None:
+        self._dtype: torch.dtype | None = None
+        self._shape: tuple[int, ...] = ()
+        self._total = 0
+        self._received = 0
+        self._parts: list[bytes] = []
+
+    @property
+    def in_progress(self) -> bool:
+        """Whether some but not all chunks of a tensor have arrived."""
+        return self._dtype is not None
+
+    def reset(self) -> None:
+        """Drops a partially received tensor."""
+        self._reset()
+
+    def add(self, msg: tensor_pb2.TensorChunk) -> torch.Tensor | None:
+        try:
+            return self._add(msg)
+        except FrameError:
+            self._reset()
+            raise
+
+    def _add(self, msg: tensor_pb2.TensorChunk) -> torch.Tensor | None:
+        if self._dtype is None:
+            self._start(msg)
+        else:
+            self._check_continuation(msg)
+        assert self._dtype is not None
+        data = msg.data
+        if msg.offset != self._received:
+            rule = "the first chunk" if self._received == 0 else "chunks contiguous and in order"
+            raise FrameError(
+                f"tensor_chunk.offset = {msg.offset}: expected {self._received} ({rule})"
+            )
+        if self._received + len(data) > self._total:
+            raise FrameError(
+                f"tensor_chunk.data overruns total_bytes = {self._total}:"
+                f" offset {msg.offset} + {len(data)} bytes"
+            )
+        if not data and self._total > 0:
+            raise FrameError(
+                f"tensor_chunk.data is empty at offset {msg.offset}: only a zero-byte tensor"
+                " may have an empty chunk"
+            )
+        self._parts.append(data)
+        self._received += len(data)
+        if self._received < self._total:
+            return None
+        buf = bytearray().join(self._parts)  # the one copy; the tensor owns it
+        dtype, shape = self._dtype, self._shape
+        self._reset()
+        return _tensor_from(buf, dtype, shape)
+
+    def _start(self, msg: tensor_pb2.TensorChunk) -> None:
+        dtype, shape, nbytes = _validated_nbytes(
+            msg.dtype, msg.shape, limits=self._limits, field="tensor_chunk"
+        )
+        if msg.total_bytes != nbytes:
+            raise FrameError(
+                f"tensor_chunk.total_bytes = {msg.total_bytes}: shape {list(shape)} of"
+                f" {tensor_pb2.DType.Name(msg.dtype)} needs {nbytes}"
+            )
+        self._dtype, self._shape, self._total = dtype, shape, nbytes
+
+    def _check_continuation(self, msg: tensor_pb2.TensorChunk) -> None:
+        """A later chunk leaves dtype, shape and total_bytes unset (or repeats them exactly)."""
+        assert self._dtype is not None
+        if msg.dtype not in (tensor_pb2.DTYPE_UNSPECIFIED, _WIRE_DTYPE[self._dtype]):
+            raise FrameError(
+                f"tensor_chunk.dtype = {msg.dtype} at offset {msg.offset}: differs from the first"
+                f" chunk's {_WIRE_DTYPE[self._dtype]}"
+            )
+        if msg.shape and tuple(msg.shape) != self._shape:
+            raise FrameError(
+                f"tensor_chunk.shape = {list(msg.shape)} at offset {msg.offset}: differs from the"
+                f" first chunk's {list(self._shape)}"
+            )
+        if msg.total_bytes not in (0, self._total):
+            raise FrameError(
+                f"tensor_chunk.total_bytes = {msg.total_bytes} at offset {msg.offset}: differs"
+                f" from the first chunk's {self._total}"
+            )
