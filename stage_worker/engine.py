@@ -76,6 +76,15 @@ class StageEngine:
         with self._lock:
             return self.cache.release(sequence_id)
 
+    def probe(self) -> None:
+        """Readiness: a real one-token forward through this stage on scratch KV, then released."""
+        sid = "\x00probe"
+        hidden = None if self.is_first else torch.zeros(1, self.config.hidden_size, dtype=self.dtype)
+        out = self.run([SequenceStep(sid, (0,), (0,) if self.is_first else ())], hidden)
+        self.release(sid)
+        if out.errors:
+            raise out.errors[0].error
+
     @torch.inference_mode()
     def run(self, seqs: Sequence[SequenceStep], hidden: torch.Tensor | None = None) -> StepOutput:
         """Run one micro-batch. `hidden` is [sum of tokens, hidden_size] on later stages."""

@@ -1,0 +1,211 @@
+"""A stage worker process: load the layers, serve them over gRPC, stop cleanly on SIGTERM.
+
+Owns the process's settings (`StageSettings`), model loading and KV pool sizing, the gRPC
+server with the StageWorker and standard health services, and the process lifecycle. Health is
+SERVING only once the weights are loaded and a real one-token forward has run, NOT_SERVING
+while stopping.
+
+Knows nothing of the coordinator's schedule; argument parsing stays in the CLI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from layerline.model_store import resolve_model
+from layerline.protos.v1 import common_pb2, stage_pb2_grpc
+from layerline.rpc import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+
+from .codec import CodecLimits, dtype_to_wire
+from .engine import StageEngine
+from .hops import NextHops
+from .kv_cache import CacheShape, PagedKVCache
+from .model_config import LayerRange, ModelConfig
+from .servicer import StageServicer, StreamLimits
+from .weights import load_stage, model_id
+
+log = logging.getLogger("layerline.stage")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class StageSettings:
+    model: str  # checkpoint directory, or a known model name fetched on first use
+    layers: str  # the half-open layer range "START:END"
+    host: str = "127.0.0.1"  # interface to listen on
+    port: int = 0  # port to listen on; 0 picks a free one
+    advertise: str | None = None  # address peers reach this stage at; default host:port
+    coordinator: str | None = None  # coordinator address to register with
+    dtype: str = "float32"  # weights and activations: float32, bfloat16 or float16
+    device: str = "cpu"  # torch device: cpu, cuda, cuda:1 ...
+    kv_memory_bytes: int = 256 << 20  # budget of the preallocated KV block pool
+    kv_block_size: int = 16  # tokens per KV block
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # gRPC message limit; larger tensors are chunked
+    max_tensor_bytes: int = 1 << 30  # largest hidden-state tensor accepted in one step
+    max_in_flight: int = 16  # steps per upstream stream received and not yet answered
+    max_sequences: int = 1024  # sequences in one step
+    max_step_tokens: int = 8192  # tokens in one step
+    threads: int | None = None  # torch CPU threads; default: all cores
+    grace_seconds: float = 5.0  # how long SIGTERM waits for in-flight calls
+
+    @property
+    def max_chunk_bytes(self) -> int:
+        # Leave room in each message for the frame's own fields.
+        return max(1024, self.max_message_bytes - min(64 << 10, self.max_message_bytes // 2))
+
+
+class StageWorker:
+    """A loaded stage and the gRPC server around it."""
+
+    def __init__(self, settings: StageSettings) -> None:
+        self.settings = settings
+        if settings.dtype not in DTYPES:
+            raise ValueError(f"--dtype {settings.dtype!r} is not one of {', '.join(DTYPES)}")
+        if settings.threads:
+            torch.set_num_threads(settings.threads)
+        self.checkpoint = resolve_model(settings.model)
+        self.config = ModelConfig.from_checkpoint(self.checkpoint)
+        self.layers = LayerRange.parse(settings.layers, num_layers=self.config.num_layers)
+        self.dtype = DTYPES[settings.dtype]
+        self.model_id = model_id(self.checkpoint)
+        self.instance_id = uuid.uuid4().hex
+        self.address = ""
+        self.state = common_pb2.WORKER_STATE_STARTING
+        self.engine: StageEngine | None = None
+        self.servicer: StageServicer | None = None
+        self.health = health.aio.HealthServicer()
+
+    def load(self) -> None:
+        start = time.perf_counter()
+        model = load_stage(
+            self.checkpoint, self.layers, dtype=self.dtype, device=self.settings.device, config=self.config
+        )
+        shape = CacheShape.for_budget(
+            self.settings.kv_memory_bytes,
+            block_size=self.settings.kv_block_size,
+            num_kv_heads=self.config.num_kv_heads,
+            head_dim=self.config.head_dim,
+            num_layers=len(self.layers),
+            dtype=self.dtype,
+        )
+        cache = PagedKVCache(shape, layer_ids=self.layers, dtype=self.dtype, device=self.settings.device)
+        self.engine = StageEngine(model, cache, max_step_tokens=self.settings.max_step_tokens)
+        self.engine.probe()
+        params = sum(p.numel() for p in model.parameters())
+        log.info(
+            "loaded layers %s of %s (%s params, %s, %s) in %.1fs; KV pool %d blocks x %d tokens",
+            self.layers, self.checkpoint, f"{params:,}", self.settings.dtype, self.settings.device,
+            time.perf_counter() - start, shape.num_blocks, shape.block_size,
+        )
+
+    def info(self) -> common_pb2.WorkerInfo:
+        engine = self.engine
+        return common_pb2.WorkerInfo(
+            address=self.address,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            instance_id=self.instance_id,
+            model_id=self.model_id,
+            model_name=Path(self.checkpoint).name,
+            layer_start=self.layers.start,
+            layer_end=self.layers.end,
+            num_layers=self.config.num_layers,
+            dtype=dtype_to_wire(self.dtype),
+            device=self.settings.device,
+            tp_size=1,
+            kv_blocks_total=engine.cache.blocks_total if engine else 0,
+            kv_blocks_free=engine.cache.blocks_free if engine else 0,
+            kv_block_size=self.settings.kv_block_size,
+            in_flight_steps=self.servicer.in_flight if self.servicer else 0,
+            active_sequences=len(engine.cache.sequences()) if engine else 0,
+            state=self.state,
+        )
+
+    async def serve(self, *, stop: asyncio.Event | None = None) -> None:
+        """Load, listen, and serve until `stop` is set or SIGTERM/SIGINT arrives."""
+        s = self.settings
+        server = grpc.aio.server(options=channel_options(s.max_message_bytes))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        proxy = _UntilLoaded()
+        stage_pb2_grpc.add_StageWorkerServicer_to_server(proxy, server)
+        await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        port = server.add_insecure_port(f"{s.host}:{s.port}")
+        if port == 0:
+            raise OSError(f"cannot listen on {s.host}:{s.port}")
+        self.address = s.advertise or f"{s.host}:{port}"
+        await server.start()
+        stop = stop or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await loop.run_in_executor(None, self.load)
+        assert self.engine is not None
+        hops = NextHops(max_message_bytes=s.max_message_bytes)
+        self.servicer = StageServicer(
+            self.engine,
+            model_id=self.model_id,
+            limits=StreamLimits(
+                codec=CodecLimits(max_tensor_bytes=s.max_tensor_bytes),
+                max_chunk_bytes=s.max_chunk_bytes,
+                max_in_flight=s.max_in_flight,
+                max_sequences=s.max_sequences,
+            ),
+            hops=hops,
+            worker_info=self.info,
+        )
+        proxy.target = self.servicer
+        self.state = common_pb2.WORKER_STATE_SERVING
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set("layerline.v1.StageWorker", health_pb2.HealthCheckResponse.SERVING)
+        log.info("stage %s serving on %s (model id %s, pid %d)", self.layers, self.address, self.model_id, os.getpid())
+        await stop.wait()
+        log.info("stopping: NOT_SERVING, waiting up to %.0fs for in-flight calls", s.grace_seconds)
+        self.state = common_pb2.WORKER_STATE_NOT_SERVING
+        await self.health.enter_graceful_shutdown()
+        await server.stop(s.grace_seconds)
+        await hops.close()
+        self.servicer.compute.shutdown(wait=False)
+        log.info("stopped")
+
+
+class _UntilLoaded(stage_pb2_grpc.StageWorkerServicer):
+    """Answers UNAVAILABLE while the weights load, then hands every call to the real servicer."""
+
+    def __init__(self) -> None:
+        self.target: StageServicer | None = None
+
+    async def _loaded(self, context: grpc.aio.ServicerContext) -> StageServicer:
+        if self.target is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "stage is still loading its weights")
+        assert self.target is not None
+        return self.target
+
+    async def Step(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        target = await self._loaded(context)
+        async for result in target.Step(request_iterator, context):
+            yield result
+
+    async def Release(self, request, context):  # type: ignore[no-untyped-def]
+        return await (await self._loaded(context)).Release(request, context)
+
+    async def Info(self, request, context):  # type: ignore[no-untyped-def]
+        return await (await self._loaded(context)).Info(request, context)
+
+
+def run_stage(settings: StageSettings) -> int:
+    """Run a stage worker in this process until it is stopped; the process exit status."""
+    asyncio.run(StageWorker(settings).serve())
+    return 0

@@ -1,0 +1,320 @@
+"""The StageWorker gRPC service: frames in, engine steps, frames out to the next hop.
+
+Owns the Step stream protocol: reassembling each step (one header frame, then the chunks of its
+hidden states), handing it to the engine on the compute thread in arrival order, sending the
+result down the route (or, on the last stage, answering with the sampled tokens), and merging
+the downstream answer with this stage's own per-sequence errors on the way back up. The asyncio
+loop only moves and checks bytes; torch runs on the engine's single compute thread, so the next
+step is received and the previous one sent while this one computes.
+
+Typed failures map to gRPC status codes in one table, `STATUS_OF`. Knows nothing of the model's
+math or of the coordinator's schedule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from layerline.protos.v1 import common_pb2, stage_pb2, stage_pb2_grpc
+
+from .codec import CodecLimits, FrameError, Reassembler, chunk
+from .engine import SequenceError, SequenceStep, StageEngine, StepInputError, StepOutput
+from .hops import NextHops
+from .kv_cache import KVCacheExhausted
+from .sampler import SamplingParams
+
+log = logging.getLogger(__name__)
+
+STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
+    FrameError: grpc.StatusCode.INVALID_ARGUMENT,
+    StepInputError: grpc.StatusCode.INVALID_ARGUMENT,
+    KVCacheExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+def status_of(err: Exception) -> common_pb2.Status:
+    code = next((c for t, c in STATUS_OF.items() if isinstance(err, t)), grpc.StatusCode.INTERNAL)
+    return common_pb2.Status(code=code.value[0], message=str(err))
+
+
+@dataclass(frozen=True)
+class StreamLimits:
+    codec: CodecLimits  # what one received tensor may be
+    max_chunk_bytes: int  # data bytes per hidden-state chunk this stage sends
+    max_in_flight: int  # steps of one upstream stream received but not yet answered
+    max_sequences: int  # sequences in one step
+
+
+@dataclass
+class _Step:
+    header: stage_pb2.StepHeader
+    seqs: list[SequenceStep]
+    hidden: torch.Tensor | None = None
+
+
+class StageServicer(stage_pb2_grpc.StageWorkerServicer):
+    def __init__(
+        self,
+        engine: StageEngine,
+        *,
+        model_id: str,
+        limits: StreamLimits,
+        hops: NextHops,
+        worker_info: Callable[[], common_pb2.WorkerInfo],
+    ) -> None:
+        self.engine = engine
+        self.model_id = model_id
+        self.limits = limits
+        self.hops = hops
+        self.worker_info = worker_info
+        self.compute = ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
+        self.in_flight = 0
+
+    # -- Step --------------------------------------------------------------------------------
+
+    async def Step(
+        self, request_iterator: AsyncIterator[stage_pb2.StepFrame], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[stage_pb2.StepResult]:
+        answers: asyncio.Queue[stage_pb2.StepResult | None] = asyncio.Queue()
+        ordered: asyncio.Queue[tuple[_Step, asyncio.Future[StepOutput]] | None] = asyncio.Queue(
+            self.limits.max_in_flight
+        )
+        outstanding = 0  # steps of this stream received and not yet answered
+        reading = True
+
+        def received() -> None:
+            nonlocal outstanding
+            outstanding += 1
+            self.in_flight += 1
+
+        def answer(result: stage_pb2.StepResult) -> None:
+            nonlocal outstanding
+            outstanding -= 1
+            self.in_flight -= 1
+            answers.put_nowait(result)
+            if not reading and outstanding == 0:
+                answers.put_nowait(None)
+
+        async def read() -> None:
+            try:
+                async for step in self._steps(request_iterator, answer_error=answer, received=received):
+                    future = asyncio.get_running_loop().run_in_executor(self.compute, self._run, step)
+                    await ordered.put((step, future))
+            finally:
+                await ordered.put(None)
+
+        async def forward() -> None:
+            nonlocal reading
+            while (item := await ordered.get()) is not None:
+                step, future = item
+                try:
+                    out = await future
+                except (StepInputError, FrameError) as err:
+                    answer(stage_pb2.StepResult(step_id=step.header.step_id, error=status_of(err)))
+                    continue
+                except Exception as err:  # a defect: say so on the step, keep the stream serving
+                    log.exception("step %d failed", step.header.step_id)
+                    answer(stage_pb2.StepResult(step_id=step.header.step_id, error=status_of(err)))
+                    continue
+                await self._deliver(step, out, answer)
+            reading = False
+            if outstanding == 0:
+                answers.put_nowait(None)
+
+        tasks = [asyncio.create_task(read()), asyncio.create_task(forward())]
+        try:
+            while (result := await answers.get()) is not None:
+                yield result
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _steps(
+        self,
+        frames: AsyncIterator[stage_pb2.StepFrame],
+        *,
+        answer_error: Callable[[stage_pb2.StepResult], None],
+        received: Callable[[], None],
+    ) -> AsyncIterator[_Step]:
+        """Reassemble steps from frames; a malformed step is answered with its error and skipped."""
+        reassembler = Reassembler(limits=self.limits.codec)
+        current: _Step | None = None
+        failed_id: int | None = None  # skip the chunks of a step already answered with an error
+        async for frame in frames:
+            kind = frame.WhichOneof("frame")
+            if kind == "header":
+                if current is not None:
+                    answer_error(_error_result(current, "a new header arrived before the step's hidden states were complete"))
+                    reassembler.reset()
+                current, failed_id = None, None
+                received()
+                try:
+                    current = _Step(frame.header, self._decode_header(frame.header))
+                except StepInputError as err:
+                    answer_error(stage_pb2.StepResult(step_id=frame.header.step_id, error=status_of(err)))
+                    failed_id = frame.header.step_id
+                    continue
+                if self.engine.is_first:
+                    yield current
+                    current = None
+            elif kind == "hidden_chunk":
+                if current is None:
+                    if failed_id is None:
+                        received()
+                        answer_error(_error_result(None, "hidden_chunk frame without a step header before it"))
+                        failed_id = 0
+                    continue
+                try:
+                    tensor = reassembler.add(frame.hidden_chunk)
+                    if tensor is not None and not tensor.is_floating_point():
+                        raise FrameError(f"hidden states have dtype {tensor.dtype}; a floating dtype is required")
+                except FrameError as err:
+                    answer_error(stage_pb2.StepResult(step_id=current.header.step_id, error=status_of(err)))
+                    failed_id, current = current.header.step_id, None
+                    reassembler.reset()
+                    continue
+                if tensor is not None:
+                    current.hidden = tensor
+                    yield current
+                    current = None
+        if current is not None:
+            answer_error(_error_result(current, "the stream ended before the step's hidden states were complete"))
+
+    def _decode_header(self, header: stage_pb2.StepHeader) -> list[SequenceStep]:
+        if header.model_id and header.model_id != self.model_id:
+            raise StepInputError(
+                f"step model_id {header.model_id!r} differs from this stage's {self.model_id!r}"
+            )
+        if len(header.sequences) > self.limits.max_sequences:
+            raise StepInputError(
+                f"step carries {len(header.sequences)} sequences, above the limit of {self.limits.max_sequences}"
+            )
+        if self.engine.is_last and header.route:
+            raise StepInputError("route must be empty at the last stage")
+        if not self.engine.is_last and not header.route:
+            raise StepInputError(f"stage {self.engine.model.layer_range} is not the last: route must name the next hop")
+        return [_sequence_step(s, last=self.engine.is_last) for s in header.sequences]
+
+    def _run(self, step: _Step) -> StepOutput:
+        for sid in step.header.release_sequence_ids:
+            self.engine.release(sid)
+        return self.engine.run(step.seqs, step.hidden)
+
+    async def _deliver(
+        self, step: _Step, out: StepOutput, answer: Callable[[stage_pb2.StepResult], None]
+    ) -> None:
+        order = [s.sequence_id for s in step.seqs]
+        local = {e.sequence_id: e for e in out.errors}
+        if self.engine.is_last:
+            answer(_merge(step.header.step_id, order, local, _draw_results(step, out)))
+            return
+        header = stage_pb2.StepHeader()
+        header.CopyFrom(step.header)
+        kept = {s.sequence_id for s in out.kept}
+        del header.sequences[:]
+        header.sequences.extend(s for s in step.header.sequences if s.sequence_id in kept and s.sequence_id not in local)
+        del header.route[:]
+        header.route.extend(step.header.route[1:])
+        assert out.hidden is not None or not out.kept
+        hidden = out.hidden if out.hidden is not None else torch.empty(0, self.engine.config.hidden_size)
+        frames = (stage_pb2.StepFrame(hidden_chunk=c) for c in chunk(hidden, self.limits.max_chunk_bytes))
+
+        def deliver(result: stage_pb2.StepResult) -> None:
+            if result.HasField("error") and result.error.code:
+                answer(result)
+                return
+            down = {r.sequence_id: r for r in result.sequences}
+            answer(_merge(result.step_id, order, local, down))
+
+        await self.hops.get(step.header.route[0]).send(header, frames, deliver=deliver)
+
+    # -- Release and Info ---------------------------------------------------------------------
+
+    async def Release(
+        self, request: stage_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> stage_pb2.ReleaseResponse:
+        loop = asyncio.get_running_loop()
+        released = await loop.run_in_executor(
+            self.compute, lambda: sum(self.engine.release(s) for s in request.sequence_ids)
+        )
+        return stage_pb2.ReleaseResponse(released=released, kv_blocks_free=self.engine.cache.blocks_free)
+
+    async def Info(
+        self, request: stage_pb2.InfoRequest, context: grpc.aio.ServicerContext
+    ) -> stage_pb2.InfoResponse:
+        seconds = 0.0
+        if request.probe:
+            start = time.perf_counter()
+            await asyncio.get_running_loop().run_in_executor(self.compute, self.engine.probe)
+            seconds = time.perf_counter() - start
+        return stage_pb2.InfoResponse(worker=self.worker_info(), probe_seconds=seconds)
+
+
+def _sequence_step(msg: stage_pb2.SequenceInput, *, last: bool) -> SequenceStep:
+    sampling = None
+    if last and msg.sample:
+        p = msg.sampling
+        sampling = SamplingParams(
+            temperature=p.temperature if p.HasField("temperature") else 1.0,
+            top_k=p.top_k,
+            top_p=p.top_p if p.HasField("top_p") else 1.0,
+            min_p=p.min_p,
+            repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
+            seed=p.seed if p.HasField("seed") else None,
+            logprobs=p.logprobs,
+        )
+    return SequenceStep(
+        sequence_id=msg.sequence_id,
+        positions=tuple(msg.positions),
+        token_ids=tuple(msg.token_ids),
+        sampling=sampling,
+        history=tuple(msg.history_token_ids),
+    )
+
+
+def _draw_results(step: _Step, out: StepOutput) -> dict[str, stage_pb2.SequenceResult]:
+    results: dict[str, stage_pb2.SequenceResult] = {}
+    wants = {s.sequence_id: s for s in step.header.sequences}
+    for seq in out.kept:
+        result = stage_pb2.SequenceResult(sequence_id=seq.sequence_id)
+        draw = out.draws.get(seq.sequence_id)
+        asked = wants[seq.sequence_id]
+        if draw is not None and asked.sample:
+            result.sampled_token_id = draw.token_id
+            if asked.sampling.HasField("logprobs"):
+                result.logprob = draw.logprob
+                result.top_logprobs.extend(
+                    common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in draw.top
+                )
+        results[seq.sequence_id] = result
+    return results
+
+
+def _merge(
+    step_id: int,
+    order: list[str],
+    local: dict[str, SequenceError],
+    down: dict[str, stage_pb2.SequenceResult],
+) -> stage_pb2.StepResult:
+    result = stage_pb2.StepResult(step_id=step_id)
+    for sid in order:
+        if sid in local:
+            result.sequences.add(sequence_id=sid, error=status_of(local[sid].error))
+        elif sid in down:
+            result.sequences.append(down[sid])
+    return result
+
+
+def _error_result(step: _Step | None, message: str) -> stage_pb2.StepResult:
+    step_id = step.header.step_id if step is not None else 0
+    return stage_pb2.StepResult(
+        step_id=step_id, error=status_of(FrameError(message))
+    )

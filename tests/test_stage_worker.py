@@ -1,0 +1,239 @@
+"""Stage workers as real processes on 127.0.0.1: a two-stage chain, chunking, bad frames, KV."""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+import pytest
+import torch
+
+from layerline.protos.v1 import common_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
+from layerline.stage_worker.model_config import LayerRange
+from layerline.stage_worker.weights import load_stage
+
+from .pipeline import LocalPipeline
+from .stage_client import StageProcess, StepStream, seq_input
+from .tiny_models import make_tiny_checkpoint
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+MAX_MESSAGE = 4096  # small, so that prefill hidden states must travel in chunks
+HIDDEN = 48
+
+PROMPTS = {
+    "s1": [1, 17, 42, 99, 3, 5, 8, 13, 21, 34, 55, 89, 144, 7, 7, 9, 10, 11, 12, 13, 14, 15, 16, 17],
+    "s2": [1, 7, 7, 7, 200],
+    "s3": [1, 150, 2, 60, 61, 62, 63, 64, 65, 66, 67],
+    "s4": [9],
+}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("stage-ckpt")
+    make_tiny_checkpoint("smollm2", path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def chain(ckpt, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("stage-logs")
+    last = StageProcess(ckpt, "2:4", "--max-message-size", str(MAX_MESSAGE), log_dir=logs)
+    first = StageProcess(ckpt, "0:2", "--max-message-size", str(MAX_MESSAGE), log_dir=logs)
+    try:
+        first.wait_serving()
+        last.wait_serving()
+        yield first, last
+    finally:
+        codes = first.stop(), last.stop()
+    assert codes == (0, 0), (first.log(), last.log())  # SIGTERM stops a stage cleanly
+
+
+@pytest.fixture(scope="module")
+def oracle(ckpt):
+    return LocalPipeline([load_stage(ckpt, LayerRange(0, 4))]).greedy(PROMPTS, 16)
+
+
+def test_info_describes_each_stage(chain):
+    first, last = chain
+    a, b = first.info(), last.info()
+    assert (a.layer_start, a.layer_end, b.layer_start, b.layer_end, a.num_layers) == (0, 2, 2, 4, 4)
+    assert a.model_id == b.model_id and len(a.model_id) == 16
+    assert a.address == first.address and a.pid == first.proc.pid
+    assert a.dtype == tensor_pb2.FLOAT32 and a.device == "cpu" and a.tp_size == 1
+    assert a.kv_blocks_free == a.kv_blocks_total > 0
+    assert a.state == b.state == common_pb2.WORKER_STATE_SERVING
+
+
+def test_two_stage_chain_matches_greedy_oracle_with_mixed_batches(chain, oracle):
+    """4 prompts of different lengths: chunked prefills mixed with decodes, one stream."""
+    first, last = chain
+    stream = StepStream(first.channel)
+    got = {s: [] for s in PROMPTS}
+    fed = {s: 0 for s in PROMPTS}  # prompt tokens sent so far
+    try:
+        for _ in range(40):
+            seqs = []
+            for sid, prompt in PROMPTS.items():
+                if len(got[sid]) == 16:
+                    continue
+                if fed[sid] < len(prompt):  # prompt chunks of at most 7 tokens
+                    n = min(7, len(prompt) - fed[sid])
+                    seqs.append(seq_input(sid, range(fed[sid], fed[sid] + n), prompt[fed[sid]:fed[sid] + n],
+                                          sample=fed[sid] + n == len(prompt)))
+                    fed[sid] += n
+                else:
+                    pos = len(prompt) + len(got[sid]) - 1
+                    seqs.append(seq_input(sid, [pos], [got[sid][-1]]))
+            if not seqs:
+                break
+            result = stream.step(seqs, route=[last.address])
+            assert not result.error.code, result.error.message
+            for r in result.sequences:
+                assert not r.error.code, r.error.message
+                if r.HasField("sampled_token_id"):
+                    got[r.sequence_id].append(r.sampled_token_id)
+    finally:
+        stream.close()
+    assert got == oracle
+    release = stage_pb2.ReleaseRequest(sequence_ids=list(PROMPTS))
+    for stage in chain:
+        assert stage_pb2_grpc.StageWorkerStub(stage.channel).Release(release).released == 4
+        info = stage.info()
+        assert info.kv_blocks_free == info.kv_blocks_total
+
+
+def test_hidden_states_larger_than_a_message_arrive_in_chunks(chain, ckpt, oracle):
+    """Send the last stage a prefill's hidden states directly, cut into many small chunks."""
+    _, last = chain
+    first_half = load_stage(ckpt, LayerRange(0, 2))
+    prompt = PROMPTS["s1"]
+    hidden = LocalPipeline([first_half]).step({"c": prompt}, all_logits=True)  # [24, 48]
+    nbytes = hidden.numel() * 4
+    assert nbytes > MAX_MESSAGE  # one message could not carry it
+    stream = StepStream(last.channel)
+    try:
+        result = stream.step([seq_input("chunked", range(len(prompt)))], hidden=hidden, chunk_bytes=1000)
+    finally:
+        stream.close()
+    assert math.ceil(nbytes / 1000) == 5
+    assert result.sequences[0].sampled_token_id == oracle["s1"][0]
+    stage_pb2_grpc.StageWorkerStub(last.channel).Release(stage_pb2.ReleaseRequest(sequence_ids=["chunked"]))
+
+
+def _frame(**chunk_fields) -> list[stage_pb2.StepFrame]:
+    header = stage_pb2.StepHeader(step_id=77, sequences=[seq_input("m", [0, 1])])
+    return [stage_pb2.StepFrame(header=header), stage_pb2.StepFrame(hidden_chunk=tensor_pb2.TensorChunk(**chunk_fields))]
+
+
+MALFORMED = {
+    "shape and byte length disagree": (
+        dict(dtype=tensor_pb2.FLOAT32, shape=[2, HIDDEN], total_bytes=100, data=b"\0" * 100),
+        "total_bytes = 100",
+    ),
+    "unknown dtype": (dict(dtype=99, shape=[2, HIDDEN], total_bytes=384, data=b"\0" * 384), "unknown dtype"),
+    "negative dims": (dict(dtype=tensor_pb2.FLOAT32, shape=[-2, HIDDEN], total_bytes=0), "must be >= 0"),
+    "2**40 elements, tiny payload": (
+        dict(dtype=tensor_pb2.FLOAT32, shape=[2**20, 2**20], total_bytes=4 * 2**40, data=b"\0" * 8),
+        "max_tensor_bytes",
+    ),
+    "integer hidden states": (
+        dict(dtype=tensor_pb2.INT64, shape=[2, HIDDEN], total_bytes=768, data=b"\0" * 768),
+        "floating dtype",
+    ),
+    "shape disagrees with positions": (
+        dict(dtype=tensor_pb2.FLOAT32, shape=[3, HIDDEN], total_bytes=576, data=b"\0" * 576),
+        "hidden states have shape (3, 48)",
+    ),
+}
+
+
+def test_malformed_frames_get_invalid_argument_and_the_stage_keeps_serving(chain, ckpt, oracle):
+    first, last = chain
+    rss_before = last.rss_kib()
+    stream = StepStream(last.channel)
+    try:
+        for name, (fields, message) in MALFORMED.items():
+            stream.send(_frame(**fields))
+            result = stream.receive()
+            assert result.error.code == INVALID, name
+            assert message in result.error.message, (name, result.error.message)
+    finally:
+        stream.close()
+    assert last.rss_kib() - rss_before < 64 * 1024  # no allocation for the claimed sizes
+
+    stream = StepStream(first.channel)
+    try:
+        stream.step([seq_input("ok", range(5), PROMPTS["s2"])], route=[last.address])
+        bad = stream.step(
+            [
+                seq_input("vocab", [0], [5000]),
+                seq_input("ghost", [4], [1]),
+                seq_input("ok", [7], [1]),  # skips positions 5 and 6
+                seq_input("ok2", [0, 2], [1, 2]),
+            ],
+            route=[last.address],
+        )
+        errors = {r.sequence_id: (r.error.code, r.error.message) for r in bad.sequences}
+        assert {k: c for k, (c, _) in errors.items()} == {"vocab": INVALID, "ghost": INVALID, "ok": INVALID, "ok2": INVALID}
+        assert "outside the vocabulary [0, 211)" in errors["vocab"][1]
+        assert "unknown sequence id 'ghost'" in errors["ghost"][1]
+        assert "start at 7, expected 5" in errors["ok"][1]
+        assert "consecutive" in errors["ok2"][1]
+        # A repeat of position 4 is refused too; the sequence itself is intact and goes on.
+        repeat = stream.step([seq_input("ok", [4], [200])], route=[last.address])
+        assert repeat.sequences[0].error.code == INVALID
+        good = stream.step([seq_input("ok", [5], [oracle["s2"][0]])], route=[last.address])
+        assert good.sequences[0].sampled_token_id == oracle["s2"][1]
+    finally:
+        stream.close()
+    for stage in chain:
+        stage_pb2_grpc.StageWorkerStub(stage.channel).Release(stage_pb2.ReleaseRequest(sequence_ids=["ok"]))
+
+
+def test_kv_pool_exhaustion_fails_only_the_sequence_that_does_not_fit(ckpt, tmp_path, oracle):
+    # 4 layers x 16 tokens x 2 kv heads x 8 dims x 4 bytes x (K and V) = 8 KiB per block.
+    stage = StageProcess(ckpt, "0:4", "--kv-memory", "40K", "--kv-block-size", "16", log_dir=tmp_path)
+    try:
+        stage.wait_serving()
+        assert stage.info().kv_blocks_total == 5
+        stream = StepStream(stage.channel)
+        result = stream.step(
+            [
+                seq_input("fits", range(len(PROMPTS["s3"])), PROMPTS["s3"]),  # 1 block
+                seq_input("huge", range(70), [3] * 70),  # 5 blocks: only 4 are left
+                seq_input("fits2", range(len(PROMPTS["s1"])), PROMPTS["s1"]),  # 2 blocks
+            ]
+        )
+        stream.close()
+        codes = [(r.sequence_id, r.error.code) for r in result.sequences]
+        assert codes == [("fits", 0), ("huge", EXHAUSTED), ("fits2", 0)]
+        assert "'huge' needs 5 more block(s), 4 free" in result.sequences[1].error.message
+        assert result.sequences[0].sampled_token_id == oracle["s3"][0]
+        assert result.sequences[2].sampled_token_id == oracle["s1"][0]
+        assert stage.info().kv_blocks_free == 2
+        released = stage_pb2_grpc.StageWorkerStub(stage.channel).Release(
+            stage_pb2.ReleaseRequest(sequence_ids=["fits", "huge", "fits2"])
+        )
+        assert (released.released, released.kv_blocks_free) == (2, 5)
+        assert stage.info().kv_blocks_free == 5
+    finally:
+        assert stage.stop() == 0
+
+
+def test_bad_command_lines_fail_with_a_clear_message(ckpt, tmp_path):
+    import subprocess
+    import sys
+
+    for args, message in [
+        (["--layers", "0:9"], "layer range [0, 9) is outside [0, 4)"),
+        (["--layers", "2:2"], "outside [0, 4) or empty"),
+        (["--layers", "0:2", "--kv-memory", "lots"], "size 'lots'"),
+    ]:
+        done = subprocess.run(
+            [sys.executable, "-m", "layerline", "stage", "--model", str(ckpt), *args],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert done.returncode == 2, done.stderr
+        assert message in done.stderr and "Traceback" not in done.stderr, done.stderr
