@@ -1,0 +1,200 @@
+"""The asyncio client: `AsyncClient`, the mirror of `Client` on a grpc.aio channel.
+
+Owns the asyncio channel, each call's deadline and trace metadata, and turning gRPC failures
+(also those in the middle of a stream) into the typed errors of `layerline.client.errors`.
+Knows nothing of the messages' fields: `wire` builds and reads them. Create it inside the event
+loop that uses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from types import TracebackType
+from typing import TypeVar
+
+import grpc
+import grpc.aio
+
+from layerline.protos.v1 import coordinator_pb2, coordinator_pb2_grpc
+from layerline.rpc import channel_options
+
+from . import wire
+from .errors import error_from_rpc
+from .tracing import call_metadata
+from .types import Chunk, ClusterStatus, Completion, ModelInfo
+from .wire import GENERATE_TIMEOUT, INFO_TIMEOUT
+
+_Request = coordinator_pb2.GenerateRequest | coordinator_pb2.ChatRequest
+_Response = TypeVar("_Response")
+_StreamMethod = Callable[..., grpc.aio.UnaryStreamCall]
+
+
+class AsyncClient:
+    """A coordinator at `target` ("host:port"); `credentials` make the channel TLS.
+
+    `stream` and `chat_stream` return async iterators; leaving one early cancels the call once
+    the iterator is closed (`contextlib.aclosing` closes it at once).
+    """
+
+    def __init__(self, target: str, *, credentials: grpc.ChannelCredentials | None = None) -> None:
+        self.target = target
+        if credentials is None:
+            self._channel = grpc.aio.insecure_channel(target, options=channel_options())
+        else:
+            self._channel = grpc.aio.secure_channel(target, credentials, options=channel_options())
+        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        self._health_check = self._channel.unary_unary(
+            wire.HEALTH_CHECK_METHOD,
+            request_serializer=wire.encode_health_request,
+            response_deserializer=wire.decode_health_response,
+        )
+
+    async def generate(
+        self,
+        prompt: str,
+        *,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        logprobs: int | None = None,
+        model: str | None = None,
+        timeout: float = GENERATE_TIMEOUT,
+    ) -> Completion:
+        """Completes `prompt` and returns the whole answer."""
+        sampling = wire.sampling_params(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+            repetition_penalty=repetition_penalty, seed=seed, stop=stop, logprobs=logprobs,
+        )
+        request = wire.generate_request(prompt, model, sampling)
+        return wire.completion_from([c async for c in self._chunks(self._stub.Generate, request, timeout)])
+
+    def stream(
+        self,
+        prompt: str,
+        *,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        logprobs: int | None = None,
+        model: str | None = None,
+        timeout: float = GENERATE_TIMEOUT,
+    ) -> AsyncIterator[Chunk]:
+        """Completes `prompt`, yielding the answer as it is generated; the last chunk has
+        finish_reason and usage. Arguments are checked now; the call starts at the first step.
+        """
+        sampling = wire.sampling_params(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+            repetition_penalty=repetition_penalty, seed=seed, stop=stop, logprobs=logprobs,
+        )
+        request = wire.generate_request(prompt, model, sampling)
+        return self._chunks(self._stub.Generate, request, timeout)
+
+    async def chat(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        *,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        logprobs: int | None = None,
+        model: str | None = None,
+        timeout: float = GENERATE_TIMEOUT,
+    ) -> Completion:
+        """Answers a conversation (`[{"role": "user", "content": "Hi"}, ...]`) in one piece."""
+        sampling = wire.sampling_params(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+            repetition_penalty=repetition_penalty, seed=seed, stop=stop, logprobs=logprobs,
+        )
+        request = wire.chat_request(messages, model, sampling)
+        return wire.completion_from([c async for c in self._chunks(self._stub.Chat, request, timeout)])
+
+    def chat_stream(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        *,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        logprobs: int | None = None,
+        model: str | None = None,
+        timeout: float = GENERATE_TIMEOUT,
+    ) -> AsyncIterator[Chunk]:
+        """Answers a conversation, yielding the reply as it is generated (see `stream`)."""
+        sampling = wire.sampling_params(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+            repetition_penalty=repetition_penalty, seed=seed, stop=stop, logprobs=logprobs,
+        )
+        request = wire.chat_request(messages, model, sampling)
+        return self._chunks(self._stub.Chat, request, timeout)
+
+    async def models(self, *, timeout: float = INFO_TIMEOUT) -> list[ModelInfo]:
+        """The models the coordinator serves."""
+        response = await self._unary(self._stub.ListModels, coordinator_pb2.ListModelsRequest(), timeout)
+        return wire.models_from(response)
+
+    async def cluster(self, *, timeout: float = INFO_TIMEOUT) -> ClusterStatus:
+        """The coordinator's view of its workers, chains and requests."""
+        response = await self._unary(self._stub.ClusterStatus, coordinator_pb2.ClusterStatusRequest(), timeout)
+        return wire.cluster_from(response)
+
+    async def health(self, service: str = "", *, timeout: float = INFO_TIMEOUT) -> str:
+        """The standard gRPC health check: "SERVING", "NOT_SERVING", ... ("" is the whole server)."""
+        return await self._unary(self._health_check, service, timeout)
+
+    async def close(self) -> None:
+        """Closes the channel; calls still running fail with CANCELLED."""
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    def _chunks(self, method: _StreamMethod, request: _Request, timeout: float) -> AsyncIterator[Chunk]:
+        """The stream's chunks; built eagerly so that the caller's trace context is the one sent."""
+        deadline, metadata = wire.check_timeout(timeout), call_metadata()
+        with_logprobs = request.sampling.HasField("logprobs")
+
+        async def chunks() -> AsyncIterator[Chunk]:
+            call = method(request, timeout=deadline, metadata=metadata)
+            try:
+                async for response in call:
+                    yield wire.chunk_from(response, with_logprobs=with_logprobs)
+            except grpc.RpcError as err:  # grpc.aio.AioRpcError
+                raise error_from_rpc(err) from err
+            finally:
+                call.cancel()  # a no-op after the end; stops the server when the caller stops early
+
+        return chunks()
+
+    async def _unary(
+        self, method: Callable[..., Awaitable[_Response]], request: object, timeout: float
+    ) -> _Response:
+        deadline, metadata = wire.check_timeout(timeout), call_metadata()
+        try:
+            return await method(request, timeout=deadline, metadata=metadata)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err) from err

@@ -1,0 +1,97 @@
+"""Typed errors of the client SDK, mapped from gRPC status codes in one table.
+
+Owns `LayerlineError` and its subclasses, and `error_from_rpc`, the one place that turns a
+failed gRPC call (sync or asyncio, at the start of a call or in the middle of a stream) into
+one of them. Knows nothing of the coordinator's messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
+
+import grpc
+
+RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata: how long to wait before retrying, in ms
+
+Metadata = tuple[tuple[str, str | bytes], ...]
+
+
+class LayerlineError(Exception):
+    """A call failed with a gRPC status; `code` and `details` are the server's."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, *, metadata: Metadata = ()) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+        self.metadata = metadata  # the call's trailing metadata
+
+
+class InvalidArgument(LayerlineError):
+    """The request was rejected; `details` names the field and the limit."""
+
+
+class ResourceExhausted(LayerlineError):
+    """The server is full (or a limit was hit); retry after `retry_after` seconds if given."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, *, metadata: Metadata = ()) -> None:
+        super().__init__(code, details, metadata=metadata)
+        self.retry_after = _retry_after(metadata)  # seconds, or None when the server said nothing
+
+
+class Unavailable(LayerlineError):
+    """The server or the workers behind it cannot serve now (after bounded retries)."""
+
+
+class DeadlineExceeded(LayerlineError):
+    """The call's deadline passed before it finished."""
+
+
+class NotFound(LayerlineError):
+    """The model (or health service) asked for is not known to the server."""
+
+
+class Internal(LayerlineError):
+    """The server failed, or broke the protocol."""
+
+
+ERROR_OF: dict[grpc.StatusCode, type[LayerlineError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.INTERNAL: Internal,
+}
+
+
+@runtime_checkable
+class _FailedCall(Protocol):
+    """What both grpc.RpcError (sync) and grpc.aio.AioRpcError expose."""
+
+    def code(self) -> grpc.StatusCode: ...
+
+    def details(self) -> str | None: ...
+
+    def trailing_metadata(self) -> Iterable[tuple[str, str | bytes]] | None: ...
+
+
+def error_from_rpc(err: grpc.RpcError) -> LayerlineError:
+    """The typed error for a failed call; codes without a subclass give a plain LayerlineError."""
+    if not isinstance(err, _FailedCall):
+        return LayerlineError(grpc.StatusCode.UNKNOWN, repr(err))
+    code = err.code()
+    metadata = tuple((key, value) for key, value in err.trailing_metadata() or ())
+    return ERROR_OF.get(code, LayerlineError)(code, err.details() or "", metadata=metadata)
+
+
+def _retry_after(metadata: Metadata) -> float | None:
+    for key, value in metadata:
+        if key.lower() != RETRY_AFTER_KEY:
+            continue
+        text = value.decode("ascii", "replace") if isinstance(value, bytes) else value
+        try:
+            return max(0.0, float(text)) / 1000.0
+        except ValueError:
+            return None  # a malformed hint is no hint
+    return None

@@ -1,0 +1,246 @@
+"""The client SDK's side of the wire: requests built and checked, responses turned into dataclasses.
+
+Owns the only use of the generated protobuf classes in the SDK: sampling parameters validated
+and packed into `SamplingParams` (a parameter left as None is not sent, so the server's default
+applies), `GenerateRequest` / `ChatRequest`, and the conversion of every response into the plain
+dataclasses of `layerline.client.types`. Also owns the two tiny messages of the standard gRPC
+health check, so that the SDK needs no `grpcio-health-checking`, and the check of every call's
+deadline. Knows nothing of channels or threads: `sync` and `aio` make the calls.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import grpc
+from google.protobuf import wrappers_pb2
+
+from layerline.protos.v1 import common_pb2, coordinator_pb2, tensor_pb2
+
+from .errors import Internal
+from .types import (
+    ChainStatus,
+    Chunk,
+    ClusterStatus,
+    Completion,
+    FinishReason,
+    ModelInfo,
+    TokenLogprobs,
+    Usage,
+    WorkerLoad,
+    WorkerStatus,
+)
+
+GENERATE_TIMEOUT = 600.0  # seconds: the default deadline of one whole generation
+INFO_TIMEOUT = 30.0  # seconds: the default deadline of models(), cluster() and health()
+HEALTH_CHECK_METHOD = "/grpc.health.v1.Health/Check"
+_UINT32_MAX = 2**32 - 1
+_UINT64_MAX = 2**64 - 1
+_FINISH: dict[int, FinishReason] = {
+    coordinator_pb2.FINISH_REASON_STOP: "stop",
+    coordinator_pb2.FINISH_REASON_LENGTH: "length",
+}
+_SERVING_STATUS = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
+
+
+class _Enum(Protocol):
+    """A generated protobuf enum type."""
+
+    def Name(self, number: int) -> str: ...
+
+
+def sampling_params(
+    *,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    seed: int | None = None,
+    stop: str | Sequence[str] | None = None,
+    logprobs: int | None = None,
+) -> common_pb2.SamplingParams:
+    """Checked parameters; each one given is set (with presence), each None is left absent."""
+    fields: dict[str, int | float] = {}
+    if max_tokens is not None:
+        fields["max_tokens"] = _integer("max_tokens", max_tokens, low=1, high=_UINT32_MAX)
+    if temperature is not None:
+        fields["temperature"] = _number("temperature", temperature, low=0.0)
+    if top_p is not None:
+        fields["top_p"] = _number("top_p", top_p, low=0.0, low_open=True, high=1.0)
+    if top_k is not None:
+        fields["top_k"] = _integer("top_k", top_k, low=0, high=_UINT32_MAX)
+    if min_p is not None:
+        fields["min_p"] = _number("min_p", min_p, low=0.0, high=1.0)
+    if repetition_penalty is not None:
+        fields["repetition_penalty"] = _number("repetition_penalty", repetition_penalty, low=0.0, low_open=True)
+    if seed is not None:
+        fields["seed"] = _integer("seed", seed, low=0, high=_UINT64_MAX)
+    if logprobs is not None:
+        fields["logprobs"] = _integer("logprobs", logprobs, low=0, high=_UINT32_MAX)
+    return common_pb2.SamplingParams(stop=_stop_strings(stop), **fields)
+
+
+def generate_request(
+    prompt: str, model: str | None, sampling: common_pb2.SamplingParams
+) -> coordinator_pb2.GenerateRequest:
+    if not isinstance(prompt, str):
+        raise ValueError(f"prompt must be a str, got {type(prompt).__name__}")
+    return coordinator_pb2.GenerateRequest(model=_model(model), prompt=prompt, sampling=sampling)
+
+
+def chat_request(
+    messages: Sequence[Mapping[str, str]], model: str | None, sampling: common_pb2.SamplingParams
+) -> coordinator_pb2.ChatRequest:
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    wire_messages = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {message!r}")
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"messages[{i}]['role'] must be a non-empty str, got {role!r}")
+        if not isinstance(content, str):
+            raise ValueError(f"messages[{i}]['content'] must be a str, got {type(content).__name__}")
+        wire_messages.append(coordinator_pb2.ChatMessage(role=role, content=content))
+    return coordinator_pb2.ChatRequest(model=_model(model), messages=wire_messages, sampling=sampling)
+
+
+def check_timeout(timeout: float) -> float:
+    """A call's deadline in seconds from now: a finite number > 0."""
+    return _number("timeout", timeout, low=0.0, low_open=True)
+
+
+def chunk_from(response: coordinator_pb2.GenerateResponse, *, with_logprobs: bool) -> Chunk:
+    logprobs = [
+        TokenLogprobs(logprob=lp.logprob, top=[(top.token_id, top.logprob) for top in lp.top_logprobs])
+        for lp in response.logprobs
+    ]
+    usage = response.usage if response.HasField("usage") else None
+    return Chunk(
+        text=response.text,
+        token_ids=list(response.token_ids),
+        finish_reason=_FINISH.get(response.finish_reason),
+        usage=Usage(usage.prompt_tokens, usage.completion_tokens) if usage is not None else None,
+        logprobs=logprobs if with_logprobs else None,
+    )
+
+
+def completion_from(chunks: Sequence[Chunk]) -> Completion:
+    """The whole answer of a finished stream; its last chunk must say why it finished."""
+    last = chunks[-1] if chunks else None
+    if last is None or last.finish_reason is None or last.usage is None:
+        raise Internal(grpc.StatusCode.INTERNAL, "the answer stream ended without a finish_reason and usage")
+    with_logprobs = last.logprobs is not None
+    return Completion(
+        text="".join(chunk.text for chunk in chunks),
+        token_ids=[token for chunk in chunks for token in chunk.token_ids],
+        finish_reason=last.finish_reason,
+        usage=last.usage,
+        logprobs=[lp for chunk in chunks for lp in chunk.logprobs or ()] if with_logprobs else None,
+    )
+
+
+def models_from(response: coordinator_pb2.ListModelsResponse) -> list[ModelInfo]:
+    return [ModelInfo(m.model_id, m.model_name, m.num_layers, m.ready_replicas) for m in response.models]
+
+
+def cluster_from(response: coordinator_pb2.ClusterStatusResponse) -> ClusterStatus:
+    workers = []
+    for entry in response.workers:
+        w = entry.worker
+        workers.append(
+            WorkerStatus(
+                address=w.address,
+                host=w.host,
+                pid=w.pid,
+                instance_id=w.instance_id,
+                model_id=w.model_id,
+                model_name=w.model_name,
+                layers=(w.layer_start, w.layer_end),
+                num_layers=w.num_layers,
+                replica=entry.replica if entry.HasField("replica") else None,
+                tp=w.tp_size,
+                state=_enum_name(common_pb2.WorkerState, w.state).removeprefix("WORKER_STATE_"),
+                dtype=_enum_name(tensor_pb2.DType, w.dtype).lower(),
+                device=w.device,
+                load=WorkerLoad(w.in_flight_steps, w.active_sequences, w.kv_blocks_free, w.kv_blocks_total),
+                seconds_since_heartbeat=entry.seconds_since_heartbeat,
+            )
+        )
+    chains = [ChainStatus(c.replica, c.model_id, list(c.addresses), c.active_sequences) for c in response.chains]
+    return ClusterStatus(workers, chains, response.active_requests, response.queued_requests)
+
+
+# The health messages, HealthCheckRequest{string service = 1} and
+# HealthCheckResponse{ServingStatus status = 1}, have the same wire format as the well-known
+# StringValue{string value = 1} and Int32Value{int32 value = 1} (an enum is an int32 varint).
+def encode_health_request(service: str) -> bytes:
+    return wrappers_pb2.StringValue(value=service).SerializeToString()
+
+
+def decode_health_response(data: bytes) -> str:
+    """The serving status's name: "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN" or "UNKNOWN"."""
+    status = wrappers_pb2.Int32Value.FromString(data).value
+    return _SERVING_STATUS.get(status, f"UNKNOWN_STATUS_{status}")
+
+
+def _integer(name: str, value: int, *, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    if value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value}")
+    return value
+
+
+def _number(
+    name: str,
+    value: float,
+    *,
+    low: float,
+    low_open: bool = False,
+    high: float | None = None,
+) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    if low_open and number <= low:
+        raise ValueError(f"{name} must be > {low:g}, got {value}")
+    if not low_open and number < low:
+        raise ValueError(f"{name} must be >= {low:g}, got {value}")
+    if high is not None and number > high:
+        raise ValueError(f"{name} must be <= {high:g}, got {value}")
+    return number
+
+
+def _stop_strings(stop: str | Sequence[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    strings = [stop] if isinstance(stop, str) else stop
+    if not isinstance(strings, Sequence) or isinstance(strings, bytes):
+        raise ValueError(f"stop must be a str or a list of str, got {type(stop).__name__}")
+    for s in strings:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop must hold non-empty strs, got {s!r}")
+    return list(strings)
+
+
+def _model(model: str | None) -> str:
+    if model is not None and not isinstance(model, str):
+        raise ValueError(f"model must be a str or None, got {type(model).__name__}")
+    return model or ""
+
+
+def _enum_name(enum: _Enum, value: int) -> str:
+    try:
+        return enum.Name(value)
+    except ValueError:  # a value newer than these generated classes
+        return str(value)
