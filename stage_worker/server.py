@@ -25,7 +25,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from layerline.model_store import resolve_model
-from layerline.protos.v1 import common_pb2, stage_pb2_grpc
+from layerline.protos.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, stage_pb2_grpc
 from layerline.rpc import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 
 from .codec import CodecLimits, dtype_to_wire
@@ -171,7 +171,11 @@ class StageWorker:
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("layerline.v1.StageWorker", health_pb2.HealthCheckResponse.SERVING)
         log.info("stage %s serving on %s (model id %s, pid %d)", self.layers, self.address, self.model_id, os.getpid())
+        membership = asyncio.create_task(self._membership(s.coordinator)) if s.coordinator else None
         await stop.wait()
+        if membership is not None:
+            membership.cancel()
+            await self._deregister(s.coordinator, "stopping (SIGTERM)")
         log.info("stopping: NOT_SERVING, waiting up to %.0fs for in-flight calls", s.grace_seconds)
         self.state = common_pb2.WORKER_STATE_NOT_SERVING
         await self.health.enter_graceful_shutdown()
@@ -179,6 +183,40 @@ class StageWorker:
         await hops.close()
         self.servicer.compute.shutdown(wait=False)
         log.info("stopped")
+
+
+    async def _membership(self, coordinator: str) -> None:
+        """Register with the coordinator and heartbeat; register again whenever it forgets us."""
+        async with grpc.aio.insecure_channel(coordinator, options=channel_options()) as channel:
+            stub = coordinator_pb2_grpc.RegistryStub(channel)
+            interval, known = 1.0, False
+            while True:
+                try:
+                    if not known:
+                        reply = await stub.Register(coordinator_pb2.RegisterRequest(worker=self.info()), timeout=5)
+                        interval = max(reply.heartbeat_interval_ms / 1000, 0.05)
+                        log.info("registered with coordinator %s", coordinator)
+                        known = True
+                    else:
+                        beat = await stub.Heartbeat(coordinator_pb2.HeartbeatRequest(worker=self.info()), timeout=5)
+                        known = beat.known
+                except grpc.aio.AioRpcError as err:
+                    if known:
+                        log.warning("coordinator %s unreachable: %s", coordinator, err.code().name)
+                    known = False
+                    if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                        log.error("coordinator %s refused this stage: %s", coordinator, err.details())
+                await asyncio.sleep(interval)
+
+    async def _deregister(self, coordinator: str, reason: str) -> None:
+        async with grpc.aio.insecure_channel(coordinator) as channel:
+            try:
+                await coordinator_pb2_grpc.RegistryStub(channel).Deregister(
+                    coordinator_pb2.DeregisterRequest(address=self.address, instance_id=self.instance_id, reason=reason),
+                    timeout=2,
+                )
+            except grpc.aio.AioRpcError as err:
+                log.warning("could not deregister from %s: %s", coordinator, err.code().name)
 
 
 class _UntilLoaded(stage_pb2_grpc.StageWorkerServicer):

@@ -1,0 +1,140 @@
+"""The coordinator's connection to one chain: a long-lived Step stream to its first stage.
+
+Owns turning a `PlannedStep` into a StepHeader (positions, token ids, sampling, the rest of the
+route, each sequence's trace carrier), matching each StepResult to the step that asked, and the
+Release calls that free a sequence's KV on every stage of the chain. When the stream breaks,
+every step waiting on it fails with `StepFailed` naming the hop.
+
+Knows nothing of text or of which requests the sequences serve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+
+import grpc
+
+from layerline.protos.v1 import common_pb2, stage_pb2, stage_pb2_grpc
+from layerline.rpc import channel_options
+
+from .scheduler import Outcome, PlannedStep, Sampling, StepFailed
+
+log = logging.getLogger(__name__)
+
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+RELEASE_TIMEOUT = 5.0
+
+
+class ChainClient:
+    def __init__(self, addresses: list[str], *, model_id: str, max_message_bytes: int) -> None:
+        self.addresses = addresses
+        self.model_id = model_id
+        self._channels = {
+            a: grpc.aio.insecure_channel(a, options=channel_options(max_message_bytes)) for a in addresses
+        }
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._pending: dict[int, asyncio.Future[stage_pb2.StepResult]] = {}
+        self._ids = itertools.count(1)
+        self._lock = asyncio.Lock()
+
+    async def __call__(self, step: PlannedStep) -> list[Outcome]:
+        header = stage_pb2.StepHeader(
+            step_id=next(self._ids), model_id=self.model_id, route=self.addresses[1:]
+        )
+        for s in step.slices:
+            seq = header.sequences.add(
+                sequence_id=s.seq.sequence_id,
+                positions=range(s.start, s.start + len(s.token_ids)),
+                token_ids=s.token_ids,
+                sample=s.sample,
+            )
+            if s.sample:
+                _fill_sampling(seq.sampling, s.seq.sampling)
+                if s.seq.sampling.repetition_penalty != 1.0:
+                    seq.history_token_ids.extend(s.seq.history)
+            seq.trace_context.update(s.seq.trace_context)
+        future: asyncio.Future[stage_pb2.StepResult] = asyncio.get_running_loop().create_future()
+        async with self._lock:
+            self._pending[header.step_id] = future
+            try:
+                await self._stream().write(stage_pb2.StepFrame(header=header))
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as err:
+                self._pending.pop(header.step_id, None)
+                raise StepFailed(UNAVAILABLE, f"stage {self.addresses[0]} is unreachable: {err}",
+                                 failed_address=self.addresses[0]) from None
+        result = await future
+        if result.error.code:
+            raise StepFailed(result.error.code, result.error.message,
+                             failed_address=result.failed_address or self.addresses[0])
+        return [
+            Outcome(
+                sequence_id=r.sequence_id,
+                token_id=r.sampled_token_id if r.HasField("sampled_token_id") else None,
+                logprob=r.logprob if r.HasField("logprob") else None,
+                top=tuple((t.token_id, t.logprob) for t in r.top_logprobs),
+                error_code=r.error.code,
+                error_message=r.error.message,
+            )
+            for r in result.sequences
+        ]
+
+    def _stream(self) -> grpc.aio.StreamStreamCall:
+        if self._call is None or self._call.done():
+            stub = stage_pb2_grpc.StageWorkerStub(self._channels[self.addresses[0]])
+            self._call = stub.Step()
+            pending: dict[int, asyncio.Future[stage_pb2.StepResult]] = {}
+            pending.update(self._pending)
+            self._pending = pending
+            asyncio.get_running_loop().create_task(self._read(self._call, pending))
+        return self._call
+
+    async def _read(
+        self, call: grpc.aio.StreamStreamCall, pending: dict[int, asyncio.Future[stage_pb2.StepResult]]
+    ) -> None:
+        reason = f"stage {self.addresses[0]} closed the Step stream"
+        try:
+            async for result in call:
+                future = pending.pop(result.step_id, None)
+                if future is not None and not future.done():
+                    future.set_result(result)
+        except grpc.aio.AioRpcError as err:
+            reason = f"stage {self.addresses[0]} failed: {err.code().name}: {err.details()}"
+        if self._call is call:
+            self._call = None
+        failure = stage_pb2.StepResult(
+            error=common_pb2.Status(code=UNAVAILABLE, message=reason), failed_address=self.addresses[0]
+        )
+        for future in pending.values():
+            if not future.done():
+                future.set_result(failure)
+        pending.clear()
+
+    async def release(self, sequence_ids: list[str]) -> None:
+        request = stage_pb2.ReleaseRequest(sequence_ids=sequence_ids)
+        calls = [
+            stage_pb2_grpc.StageWorkerStub(ch).Release(request, timeout=RELEASE_TIMEOUT)
+            for ch in self._channels.values()
+        ]
+        for address, outcome in zip(self._channels, await asyncio.gather(*calls, return_exceptions=True)):
+            if isinstance(outcome, grpc.aio.AioRpcError):
+                log.warning("release of %s on %s failed: %s", sequence_ids, address, outcome.code().name)
+
+    async def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+        for channel in self._channels.values():
+            await channel.close()
+
+
+def _fill_sampling(msg: common_pb2.SamplingParams, sampling: Sampling) -> None:
+    msg.temperature = sampling.temperature
+    msg.top_p = sampling.top_p
+    msg.top_k = sampling.top_k
+    msg.min_p = sampling.min_p
+    msg.repetition_penalty = sampling.repetition_penalty
+    if sampling.seed is not None:
+        msg.seed = sampling.seed
+    if sampling.logprobs is not None:
+        msg.logprobs = sampling.logprobs

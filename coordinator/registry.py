@@ -1,0 +1,136 @@
+"""The coordinator's view of its stage workers, and the chains they form.
+
+Owns the table of registered workers (what each serves, its load, when it was last heard
+from) and the pure function that cuts them into chains: sequences of workers of one model id
+whose half-open layer ranges cover `[0, num_layers)` end to end. Each worker serves in at most
+one chain; uneven splits are fine.
+
+Knows nothing of gRPC messages (the servicer converts them), of sequences or of the schedule.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+
+@dataclass(frozen=True)
+class Worker:
+    address: str  # where its StageWorker service listens
+    instance_id: str  # random per process start
+    model_id: str  # digest of config and weights' metadata
+    model_name: str
+    layer_start: int
+    layer_end: int  # half-open: [layer_start, layer_end)
+    num_layers: int
+    host: str = ""
+    pid: int = 0
+    tp_size: int = 1
+    dtype: str = "float32"
+    device: str = "cpu"
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    in_flight_steps: int = 0
+    active_sequences: int = 0
+    state: str = "SERVING"
+
+
+@dataclass
+class _Entry:
+    worker: Worker
+    last_seen: float = field(default_factory=time.monotonic)
+
+
+class Registry:
+    """Workers by address; a worker unheard of for `expiry` seconds is dropped."""
+
+    def __init__(self, *, num_layers: int, expiry: float = 10.0) -> None:
+        self.num_layers = num_layers
+        self.expiry = expiry
+        self._entries: dict[str, _Entry] = {}
+        self.version = 0  # bumped on every change of membership
+
+    def register(self, worker: Worker) -> None:
+        if worker.num_layers != self.num_layers:
+            raise ValueError(
+                f"worker {worker.address} serves a model of {worker.num_layers} layers; "
+                f"this coordinator's model has {self.num_layers}"
+            )
+        old = self._entries.get(worker.address)
+        self._entries[worker.address] = _Entry(worker)
+        if old is None or old.worker.instance_id != worker.instance_id or old.worker.state != worker.state:
+            self.version += 1
+
+    def heartbeat(self, worker: Worker) -> bool:
+        """Refresh a known worker instance; False when it must register again."""
+        entry = self._entries.get(worker.address)
+        if entry is None or entry.worker.instance_id != worker.instance_id:
+            return False
+        if entry.worker.state != worker.state:
+            self.version += 1
+        entry.worker, entry.last_seen = worker, time.monotonic()
+        return True
+
+    def remove(self, address: str) -> bool:
+        if self._entries.pop(address, None) is None:
+            return False
+        self.version += 1
+        return True
+
+    def expire(self) -> list[str]:
+        now = time.monotonic()
+        gone = [a for a, e in self._entries.items() if now - e.last_seen > self.expiry]
+        for address in gone:
+            self.remove(address)
+        return gone
+
+    def workers(self) -> list[Worker]:
+        return [e.worker for e in self._entries.values()]
+
+    def seconds_since(self, address: str) -> float:
+        entry = self._entries.get(address)
+        return time.monotonic() - entry.last_seen if entry else float("inf")
+
+    def get(self, address: str) -> Worker | None:
+        entry = self._entries.get(address)
+        return entry.worker if entry else None
+
+    def mark(self, address: str, state: str) -> None:
+        entry = self._entries.get(address)
+        if entry is not None and entry.worker.state != state:
+            entry.worker = replace(entry.worker, state=state)
+            self.version += 1
+
+
+def build_chains(workers: list[Worker], num_layers: int) -> list[list[Worker]]:
+    """Disjoint chains covering [0, num_layers), most chains first, each of one model id.
+
+    Fewest hops are preferred for each chain; ties keep registration order, so the result is
+    stable while membership does not change.
+    """
+    usable = [w for w in workers if w.state == "SERVING"]
+    chains: list[list[Worker]] = []
+    for model_id in dict.fromkeys(w.model_id for w in usable):
+        pool = [w for w in usable if w.model_id == model_id]
+        while (path := _shortest_cover(pool, num_layers)) is not None:
+            chains.append(path)
+            used = {w.address for w in path}
+            pool = [w for w in pool if w.address not in used]
+    return chains
+
+
+def _shortest_cover(pool: list[Worker], num_layers: int) -> list[Worker] | None:
+    """Breadth-first over layer boundaries: the fewest workers whose ranges tile [0, num_layers)."""
+    best: dict[int, list[Worker]] = {0: []}
+    frontier = [0]
+    while frontier:
+        nxt: list[int] = []
+        for start in frontier:
+            for w in pool:
+                if w.layer_start == start and w.layer_end not in best:
+                    best[w.layer_end] = best[start] + [w]
+                    nxt.append(w.layer_end)
+        if num_layers in best:
+            return best[num_layers]
+        frontier = nxt
+    return None

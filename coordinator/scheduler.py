@@ -1,0 +1,197 @@
+"""Continuous batching with several micro-batches in flight per chain.
+
+Owns, for one chain, which live sequences advance in each step: decode tokens first, then
+chunks of prompts under a per-step token budget, so a long prompt never stalls the decoding of
+others. Up to `depth` micro-batches are in flight at once (default: the chain's length), each
+with different sequences, so every stage has work while the others compute. Sequences join
+and leave between steps.
+
+Knows nothing of text, of gRPC or of the wire: it hands `PlannedStep`s to a `StepSender` and
+gets `Outcome`s back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    logprobs: int | None = None  # None: none; 0: the sampled token's; n: and the top n
+
+
+@dataclass
+class Sequence:
+    """A sequence's token history (the ground truth its KV can be rebuilt from) and progress."""
+
+    sequence_id: str
+    prompt: list[int]
+    sampling: Sampling
+    on_token: Callable[[int, float | None, list[tuple[int, float]]], None]  # called per new token
+    on_error: Callable[[int, str], None]  # (grpc status code value, message)
+    generated: list[int] = field(default_factory=list)
+    fed: int = 0  # tokens of the history whose KV the chain holds
+    in_flight: bool = False
+    done: bool = False
+    trace_context: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def history(self) -> list[int]:
+        return self.prompt + self.generated
+
+
+@dataclass(frozen=True)
+class Slice:
+    seq: Sequence
+    start: int  # first position fed
+    token_ids: tuple[int, ...]
+    sample: bool  # the chain samples the token after this slice
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    slices: tuple[Slice, ...]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What came back for one sequence of a step."""
+
+    sequence_id: str
+    token_id: int | None = None
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
+    error_code: int = 0
+    error_message: str = ""
+
+
+class StepSender(Protocol):
+    def __call__(self, step: PlannedStep) -> Awaitable[list[Outcome]]: ...
+
+
+class StepFailed(Exception):
+    """A whole step failed (a hop is unreachable); its sequences' KV on the chain is lost."""
+
+    def __init__(self, code: int, message: str, *, failed_address: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+        self.failed_address = failed_address
+
+
+class ChainScheduler:
+    def __init__(
+        self,
+        send: StepSender,
+        *,
+        depth: int,
+        token_budget: int = 512,
+        on_step_failed: Callable[[list[Sequence], StepFailed], None],
+        release: Callable[[list[str]], Awaitable[None]],
+    ) -> None:
+        self.send = send
+        self.depth = max(1, depth)
+        self.token_budget = token_budget
+        self.on_step_failed = on_step_failed
+        self.release = release
+        self.sequences: dict[str, Sequence] = {}
+        self.in_flight = 0
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def load(self) -> int:
+        return len(self.sequences)
+
+    def add(self, seq: Sequence) -> None:
+        self.sequences[seq.sequence_id] = seq
+        self._wake.set()
+
+    def finish(self, seq: Sequence) -> None:
+        """Drop a finished or cancelled sequence and free its KV on the chain."""
+        seq.done = True
+        if self.sequences.pop(seq.sequence_id, None) is not None and seq.fed:
+            asyncio.get_running_loop().create_task(self.release([seq.sequence_id]))
+        self._wake.set()
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _run(self) -> None:
+        while True:
+            while self.in_flight < self.depth and (step := self._plan()) is not None:
+                self.in_flight += 1
+                for s in step.slices:
+                    s.seq.in_flight = True
+                asyncio.get_running_loop().create_task(self._dispatch(step))
+            self._wake.clear()
+            await self._wake.wait()
+
+    def _plan(self) -> PlannedStep | None:
+        ready = [s for s in self.sequences.values() if not s.in_flight and not s.done]
+        if not ready:
+            return None
+        per_step = math.ceil(len(self.sequences) / self.depth)  # spread over the micro-batches
+        budget = self.token_budget
+        slices: list[Slice] = []
+        decoding = [s for s in ready if len(s.history) - s.fed == 1]
+        prefilling = [s for s in ready if len(s.history) - s.fed > 1]
+        for seq in decoding + prefilling:
+            if len(slices) == per_step or budget == 0:
+                break
+            history = seq.history
+            n = min(len(history) - seq.fed, budget)
+            budget -= n
+            end = seq.fed + n
+            slices.append(Slice(seq, seq.fed, tuple(history[seq.fed:end]), sample=end == len(history)))
+        return PlannedStep(tuple(slices)) if slices else None
+
+    async def _dispatch(self, step: PlannedStep) -> None:
+        try:
+            outcomes = await self.send(step)
+        except StepFailed as err:
+            for s in step.slices:
+                s.seq.in_flight = False
+            self.on_step_failed([s.seq for s in step.slices if not s.seq.done], err)
+        else:
+            by_id = {o.sequence_id: o for o in outcomes}
+            for s in step.slices:
+                self._apply(s, by_id.get(s.seq.sequence_id))
+        finally:
+            self.in_flight -= 1
+            self._wake.set()
+
+    def _apply(self, s: Slice, outcome: Outcome | None) -> None:
+        seq = s.seq
+        seq.in_flight = False
+        if seq.done:
+            return
+        if outcome is None:
+            seq.on_error(13, f"the chain returned no result for sequence {seq.sequence_id}")
+            return
+        if outcome.error_code:
+            seq.on_error(outcome.error_code, outcome.error_message)
+            return
+        seq.fed = s.start + len(s.token_ids)
+        if s.sample:
+            if outcome.token_id is None:
+                seq.on_error(13, f"the chain sampled no token for sequence {seq.sequence_id}")
+                return
+            seq.generated.append(outcome.token_id)
+            seq.on_token(outcome.token_id, outcome.logprob, list(outcome.top))

@@ -1,0 +1,101 @@
+"""The coordinator process: settings, the gRPC server, the maintenance loop, clean stop.
+
+Owns `CoordinatorSettings`, wiring the registry, cluster and services together, the standard
+health service, and the process lifecycle (SIGTERM: stop admitting, finish in-flight requests,
+exit 0). Never imports torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from layerline.model_store import resolve_model
+from layerline.protos.v1 import coordinator_pb2_grpc
+from layerline.rpc import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+
+from .cluster import Cluster
+from .registry import Registry
+from .servicer import Admission, CoordinatorServicer, RegistryServicer
+from .text import TextModel
+
+log = logging.getLogger("layerline.coordinator")
+
+
+@dataclass(frozen=True)
+class CoordinatorSettings:
+    model: str = "smollm2-135m-instruct"  # checkpoint dir or known name: tokenizer and layer count
+    host: str = "127.0.0.1"  # interface to listen on
+    port: int = 7070  # port to listen on; 0 picks a free one
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # gRPC message limit
+    default_max_tokens: int = 256  # when a request does not say
+    max_active: int = 256  # sequences generating at once
+    max_queued: int = 512  # requests waiting for a slot before RESOURCE_EXHAUSTED
+    rate_limit: float = 1000.0  # new requests admitted per second
+    token_budget: int = 512  # tokens per micro-batch step
+    depth: int | None = None  # micro-batches in flight per chain; default: the chain's length
+    heartbeat_interval: float = 1.0  # seconds between a worker's heartbeats
+    heartbeat_expiry: float = 5.0  # a worker unheard of this long leaves routing
+    grace_seconds: float = 30.0  # how long SIGTERM waits for in-flight requests
+
+
+async def serve(settings: CoordinatorSettings, *, stop: asyncio.Event | None = None) -> None:
+    checkpoint = resolve_model(settings.model)
+    config = json.loads((Path(checkpoint) / "config.json").read_text())
+    text = TextModel.from_checkpoint(checkpoint)
+    registry = Registry(num_layers=int(config["num_hidden_layers"]), expiry=settings.heartbeat_expiry)
+    cluster = Cluster(
+        registry, max_message_bytes=settings.max_message_bytes, token_budget=settings.token_budget,
+        depth=settings.depth,
+    )
+    server = grpc.aio.server(options=channel_options(settings.max_message_bytes))
+    admission = Admission(
+        max_active=settings.max_active, max_queued=settings.max_queued, rate_limit=settings.rate_limit,
+        default_max_tokens=settings.default_max_tokens,
+        max_context=int(config.get("max_position_embeddings", 2048)),
+    )
+    servicer = CoordinatorServicer(cluster, text, admission=admission, model_name=Path(checkpoint).name)
+    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
+    coordinator_pb2_grpc.add_RegistryServicer_to_server(
+        RegistryServicer(cluster, heartbeat_interval=settings.heartbeat_interval), server
+    )
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    if port == 0:
+        raise OSError(f"cannot listen on {settings.host}:{settings.port}")
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    log.info("coordinator for %s (%d layers) serving on %s:%d", Path(checkpoint).name,
+             registry.num_layers, settings.host, port)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    maintenance = asyncio.create_task(_maintain(cluster))
+    await stop.wait()
+    log.info("stopping: no new requests; waiting up to %.0fs for %d in-flight", settings.grace_seconds,
+             servicer.active)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(settings.grace_seconds)
+    maintenance.cancel()
+    await cluster.close()
+    log.info("stopped")
+
+
+async def _maintain(cluster: Cluster) -> None:
+    while True:
+        cluster.refresh()
+        await asyncio.sleep(0.5)
+
+
+def run_coordinator(settings: CoordinatorSettings) -> int:
+    asyncio.run(serve(settings))
+    return 0

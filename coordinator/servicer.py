@@ -1,0 +1,269 @@
+"""The coordinator's gRPC services: `Coordinator` for clients, `Registry` for stage workers.
+
+Owns decoding requests into plain values, checking them (every refusal names the field and the
+limit), admission (a rate limit with asyncio-throttle and a bounded queue in front of the
+generation slots; past the bound, RESOURCE_EXHAUSTED with a retry hint) and encoding the
+streamed answer. The work itself is the cluster's and the generation's.
+
+Knows nothing of torch or tensors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from asyncio_throttle import Throttler
+
+from layerline.protos.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, tensor_pb2
+
+from .cluster import Cluster, NoChainError
+from .generation import Delta, Failed, Finished, Generation, Limits
+from .registry import Worker
+from .scheduler import Sampling
+from .text import TextModel
+
+log = logging.getLogger(__name__)
+
+FINISH = {"stop": coordinator_pb2.FINISH_REASON_STOP, "length": coordinator_pb2.FINISH_REASON_LENGTH}
+MAX_STOP = 16
+
+
+@dataclass(frozen=True)
+class Admission:
+    max_active: int  # sequences generating at once, over all chains
+    max_queued: int  # requests waiting for a generation slot; past it RESOURCE_EXHAUSTED
+    rate_limit: float  # new requests admitted per second
+    default_max_tokens: int  # when a request does not say
+    max_context: int  # prompt plus generated tokens at most
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    def __init__(self, cluster: Cluster, text: TextModel, *, admission: Admission, model_name: str) -> None:
+        self.cluster = cluster
+        self.text = text
+        self.admission = admission
+        self.model_name = model_name
+        self._slots = asyncio.Semaphore(admission.max_active)
+        self._throttler = Throttler(rate_limit=max(1, int(admission.rate_limit)), period=1.0)
+        self.active = 0
+        self.queued = 0
+
+    async def Generate(
+        self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
+        if not request.prompt:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt must not be empty")
+        ids = self.text.encode(request.prompt)
+        async for response in self._generate(ids, request.sampling, context):
+            yield response
+
+    async def Chat(
+        self, request: coordinator_pb2.ChatRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
+        if not request.messages:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "messages must not be empty")
+        try:
+            ids = self.text.encode_chat([{"role": m.role, "content": m.content} for m in request.messages])
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        async for response in self._generate(ids, request.sampling, context):
+            yield response
+
+    async def _generate(
+        self, ids: list[int], params: common_pb2.SamplingParams, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
+        try:
+            sampling, max_tokens, stop = self._sampling(params)
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        if len(ids) >= self.admission.max_context:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt is {len(ids)} tokens; the context holds at most {self.admission.max_context}",
+            )
+        if self.queued >= self.admission.max_queued:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.queued} requests already wait (max_queued = {self.admission.max_queued}); retry later",
+                trailing_metadata=(("retry-after-ms", "1000"),),
+            )
+        self.queued += 1
+        try:
+            async with self._throttler:
+                await self._slots.acquire()
+        finally:
+            self.queued -= 1
+        self.active += 1
+        gen = Generation(
+            sequence_id=uuid.uuid4().hex,
+            prompt_ids=ids,
+            sampling=sampling,
+            limits=Limits(max_tokens=max_tokens, max_context=self.admission.max_context),
+            text=self.text,
+            stop=stop,
+        )
+        try:
+            try:
+                self.cluster.place(gen.sequence)
+            except NoChainError as err:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+            async for event in gen.events():
+                if isinstance(event, Delta):
+                    yield _delta(event)
+                elif isinstance(event, Finished):
+                    yield coordinator_pb2.GenerateResponse(
+                        finish_reason=FINISH[event.reason],
+                        usage=coordinator_pb2.Usage(
+                            prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens
+                        ),
+                    )
+                elif isinstance(event, Failed):
+                    await context.abort(_code(event.code), event.message)
+        finally:
+            self.cluster.finish(gen.sequence)
+            self.active -= 1
+            self._slots.release()
+
+    def _sampling(self, p: common_pb2.SamplingParams) -> tuple[Sampling, int, list[str]]:
+        max_tokens = p.max_tokens if p.HasField("max_tokens") else self.admission.default_max_tokens
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens = {max_tokens} must be >= 1")
+        stop = list(p.stop)
+        if len(stop) > MAX_STOP or any(not s or len(s) > 256 for s in stop):
+            raise ValueError(f"stop takes at most {MAX_STOP} strings of 1 to 256 characters")
+        sampling = Sampling(
+            temperature=p.temperature if p.HasField("temperature") else 1.0,
+            top_p=p.top_p if p.HasField("top_p") else 1.0,
+            top_k=p.top_k,
+            min_p=p.min_p,
+            repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
+            seed=p.seed if p.HasField("seed") else None,
+            logprobs=p.logprobs if p.HasField("logprobs") else None,
+        )
+        checks = [
+            (0.0 <= sampling.temperature <= 100.0, f"temperature = {sampling.temperature} must be in [0, 100]"),
+            (0.0 < sampling.top_p <= 1.0, f"top_p = {sampling.top_p} must be in (0, 1]"),
+            (0.0 <= sampling.min_p <= 1.0, f"min_p = {sampling.min_p} must be in [0, 1]"),
+            (0.0 < sampling.repetition_penalty <= 100.0,
+             f"repetition_penalty = {sampling.repetition_penalty} must be in (0, 100]"),
+            ((sampling.logprobs or 0) <= 20, f"logprobs = {sampling.logprobs} must be in [0, 20]"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        return sampling, max_tokens, stop
+
+    async def ListModels(
+        self, request: coordinator_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.ListModelsResponse:
+        self.cluster.refresh()
+        by_id: dict[str, int] = {}
+        for chain in self.cluster.chains:
+            by_id[chain.workers[0].model_id] = by_id.get(chain.workers[0].model_id, 0) + 1
+        return coordinator_pb2.ListModelsResponse(
+            models=[
+                coordinator_pb2.ModelInfo(
+                    model_id=mid, model_name=self.model_name,
+                    num_layers=self.cluster.registry.num_layers, ready_replicas=n,
+                )
+                for mid, n in by_id.items()
+            ]
+        )
+
+    async def ClusterStatus(
+        self, request: coordinator_pb2.ClusterStatusRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.ClusterStatusResponse:
+        self.cluster.refresh()
+        registry = self.cluster.registry
+        response = coordinator_pb2.ClusterStatusResponse(
+            active_requests=self.active, queued_requests=self.queued
+        )
+        for w in registry.workers():
+            entry = response.workers.add(
+                worker=_worker_info(w), seconds_since_heartbeat=registry.seconds_since(w.address)
+            )
+            replica = self.cluster.replica_of(w.address)
+            if replica is not None:
+                entry.replica = replica
+        for chain in self.cluster.chains:
+            response.chains.add(
+                replica=chain.replica, model_id=chain.workers[0].model_id,
+                addresses=chain.addresses, active_sequences=chain.scheduler.load,
+            )
+        return response
+
+
+class RegistryServicer(coordinator_pb2_grpc.RegistryServicer):
+    def __init__(self, cluster: Cluster, *, heartbeat_interval: float) -> None:
+        self.cluster = cluster
+        self.heartbeat_interval = heartbeat_interval
+
+    async def Register(
+        self, request: coordinator_pb2.RegisterRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.RegisterResponse:
+        worker = _worker(request.worker)
+        try:
+            self.cluster.registry.register(worker)
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        log.info("worker %s registered: layers [%d, %d), pid %d", worker.address,
+                 worker.layer_start, worker.layer_end, worker.pid)
+        self.cluster.refresh()
+        return coordinator_pb2.RegisterResponse(heartbeat_interval_ms=int(self.heartbeat_interval * 1000))
+
+    async def Heartbeat(
+        self, request: coordinator_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.HeartbeatResponse:
+        return coordinator_pb2.HeartbeatResponse(known=self.cluster.registry.heartbeat(_worker(request.worker)))
+
+    async def Deregister(
+        self, request: coordinator_pb2.DeregisterRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.DeregisterResponse:
+        worker = self.cluster.registry.get(request.address)
+        if worker is not None and worker.instance_id == request.instance_id:
+            self.cluster.registry.remove(request.address)
+            log.info("worker %s deregistered: %s", request.address, request.reason or "no reason given")
+            self.cluster.refresh()
+        return coordinator_pb2.DeregisterResponse()
+
+
+def _worker(info: common_pb2.WorkerInfo) -> Worker:
+    return Worker(
+        address=info.address, instance_id=info.instance_id, model_id=info.model_id,
+        model_name=info.model_name, layer_start=info.layer_start, layer_end=info.layer_end,
+        num_layers=info.num_layers, host=info.host, pid=info.pid, tp_size=info.tp_size,
+        dtype=tensor_pb2.DType.Name(info.dtype).lower(), device=info.device,
+        kv_blocks_total=info.kv_blocks_total, kv_blocks_free=info.kv_blocks_free,
+        in_flight_steps=info.in_flight_steps, active_sequences=info.active_sequences,
+        state=common_pb2.WorkerState.Name(info.state).removeprefix("WORKER_STATE_"),
+    )
+
+
+def _worker_info(w: Worker) -> common_pb2.WorkerInfo:
+    state = f"WORKER_STATE_{w.state}"
+    return common_pb2.WorkerInfo(
+        address=w.address, host=w.host, pid=w.pid, instance_id=w.instance_id, model_id=w.model_id,
+        model_name=w.model_name, layer_start=w.layer_start, layer_end=w.layer_end,
+        num_layers=w.num_layers, dtype=tensor_pb2.DType.Value(w.dtype.upper()), device=w.device,
+        tp_size=w.tp_size, kv_blocks_total=w.kv_blocks_total, kv_blocks_free=w.kv_blocks_free,
+        in_flight_steps=w.in_flight_steps, active_sequences=w.active_sequences,
+        state=common_pb2.WorkerState.Value(state) if state in common_pb2.WorkerState.keys()
+        else common_pb2.WORKER_STATE_NOT_SERVING,
+    )
+
+
+def _delta(event: Delta) -> coordinator_pb2.GenerateResponse:
+    response = coordinator_pb2.GenerateResponse(text=event.text, token_ids=event.token_ids)
+    for logprob, top in event.logprobs:
+        entry = response.logprobs.add(logprob=logprob or 0.0)
+        entry.top_logprobs.extend(common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in top)
+    return response
+
+
+def _code(value: int) -> grpc.StatusCode:
+    return next((c for c in grpc.StatusCode if c.value[0] == value), grpc.StatusCode.INTERNAL)

@@ -1,0 +1,134 @@
+"""`layerline up`: a whole cluster on this machine, each worker and the coordinator its own process.
+
+Owns splitting the layers evenly into stages, dividing the CPU cores between co-located
+workers, starting the coordinator and every stage worker as OS processes, waiting until the
+coordinator reports every chain complete, and stopping every process it started (SIGTERM, then
+SIGKILL after a grace period) however it is left. Imports neither torch nor the model code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from layerline.protos.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    model: str  # checkpoint directory or known model name
+    stages: int = 2  # pipeline stages per chain
+    replicas: int = 1  # chains side by side
+    tp: int = 1  # tensor-parallel ranks per stage
+    dtype: str = "float32"
+    port: int = 7070  # coordinator port
+    host: str = "127.0.0.1"
+    kv_memory: str = "256M"  # per stage worker
+    log_dir: Path | None = None  # where each process's log goes; default: a temp folder
+
+
+def split_layers(num_layers: int, stages: int) -> list[tuple[int, int]]:
+    """Even half-open ranges; the first ranges take one layer more when it does not divide."""
+    if not 1 <= stages <= num_layers:
+        raise ValueError(f"--stages {stages} must be between 1 and the model's {num_layers} layers")
+    base, extra = divmod(num_layers, stages)
+    bounds = [0]
+    for i in range(stages):
+        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+    return list(zip(bounds, bounds[1:]))
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class LocalCluster:
+    def __init__(self, plan: ClusterPlan, checkpoint: Path) -> None:
+        self.plan = plan
+        self.checkpoint = checkpoint
+        self.address = f"{plan.host}:{plan.port}"
+        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.log_dir = plan.log_dir or Path(os.environ.get("TMPDIR", "/tmp")) / f"layerline-{os.getpid()}"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
+        log = (self.log_dir / f"{name}.log").open("wb")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "layerline", *args], stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **env}, start_new_session=True,
+        )
+        self.procs.append((name, proc))
+
+    def start(self) -> None:
+        p = self.plan
+        num_layers = json.loads((self.checkpoint / "config.json").read_text())["num_hidden_layers"]
+        ranges = split_layers(num_layers, p.stages)
+        workers = p.stages * p.replicas
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        self._spawn("coordinator", ["coordinator", "--model", str(self.checkpoint), "--host", p.host,
+                                    "--port", str(p.port)], {})
+        for r in range(p.replicas):
+            for i, (start, end) in enumerate(ranges):
+                args = ["stage", "--model", str(self.checkpoint), "--layers", f"{start}:{end}",
+                        "--host", p.host, "--port", str(_free_port(p.host)), "--coordinator", self.address,
+                        "--dtype", p.dtype, "--threads", str(threads), "--kv-memory", p.kv_memory]
+                if p.tp > 1:
+                    args += ["--tp", str(p.tp)]
+                self._spawn(f"stage-r{r}-{start}-{end}", args, {"OMP_NUM_THREADS": str(threads)})
+
+    def wait_ready(self, timeout: float = 300.0) -> coordinator_pb2.ClusterStatusResponse:
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.address) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            while time.monotonic() < deadline:
+                for name, proc in self.procs:
+                    if proc.poll() is not None:
+                        tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-2000:]
+                        raise RuntimeError(f"{name} exited with status {proc.returncode}:\n{tail}")
+                try:
+                    status = stub.ClusterStatus(coordinator_pb2.ClusterStatusRequest(), timeout=2)
+                    if len(status.chains) >= self.plan.replicas:
+                        return status
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+        raise TimeoutError(f"the cluster was not ready after {timeout:.0f}s; logs in {self.log_dir}")
+
+    def stop(self, grace: float = 15.0) -> None:
+        for _, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for _, proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def wait(self) -> None:
+        """Block until a signal arrives or a process dies."""
+        stop = {"now": False}
+
+        def on_signal(signum: int, frame: object) -> None:
+            stop["now"] = True
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        while not stop["now"]:
+            if any(proc.poll() is not None for _, proc in self.procs):
+                dead = [n for n, p in self.procs if p.poll() is not None]
+                print(f"layerline up: {', '.join(dead)} exited; stopping the cluster", file=sys.stderr)
+                return
+            time.sleep(0.2)

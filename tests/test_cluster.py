@@ -1,0 +1,142 @@
+"""A real local cluster (coordinator + 2 stage workers, separate processes) through the SDK."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from layerline.client import AsyncClient, Client
+from layerline.launcher import ClusterPlan, LocalCluster, split_layers
+
+from .stage_client import free_port
+
+pytestmark = pytest.mark.real_model
+
+PROMPTS = ["Once upon a time", "The three primary colors are", "def fibonacci(n):", "Water boils at"]
+
+
+@pytest.fixture(scope="module")
+def cluster(real_model_dir, tmp_path_factory):
+    plan = ClusterPlan(model=str(real_model_dir), stages=2, port=free_port(),
+                       log_dir=tmp_path_factory.mktemp("cluster-logs"), kv_memory="64M")
+    local = LocalCluster(plan, real_model_dir)
+    local.start()
+    try:
+        local.wait_ready(timeout=180)
+        yield local
+    finally:
+        local.stop()
+    assert [p.returncode for _, p in local.procs] == [0, 0, 0]
+
+
+@pytest.fixture(scope="module")
+def oracle(real_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(real_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(real_model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+
+    def greedy(prompt: str, n: int) -> list[int]:
+        ids = tok(prompt)["input_ids"]
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=2)
+        return out[0, len(ids):].tolist()
+
+    return tok, greedy
+
+
+def test_split_layers_is_even_and_half_open():
+    assert split_layers(30, 2) == [(0, 15), (15, 30)]
+    assert split_layers(30, 4) == [(0, 8), (8, 16), (16, 23), (23, 30)]
+    with pytest.raises(ValueError, match="--stages 31"):
+        split_layers(30, 31)
+
+
+def test_generate_equals_transformers_greedy(cluster, oracle):
+    tok, greedy = oracle
+    with Client(cluster.address) as client:
+        r = client.generate(PROMPTS[0], max_tokens=24, temperature=0.0)
+    assert r.token_ids == greedy(PROMPTS[0], 24)
+    assert r.text == tok.decode(r.token_ids, skip_special_tokens=True)
+    assert r.finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(tok(PROMPTS[0])["input_ids"]), 24)
+
+
+def test_stream_deltas_concatenate_to_the_completion(cluster):
+    with Client(cluster.address) as client:
+        chunks = list(client.stream(PROMPTS[1], max_tokens=20, temperature=0.0))
+        whole = client.generate(PROMPTS[1], max_tokens=20, temperature=0.0)
+    assert "".join(c.text for c in chunks) == whole.text
+    assert [t for c in chunks for t in c.token_ids] == whole.token_ids
+    assert chunks[-1].finish_reason == "length" and all(c.finish_reason is None for c in chunks[:-1])
+
+
+def test_concurrent_streams_each_equal_transformers(cluster, oracle):
+    _, greedy = oracle
+
+    async def run() -> list[list[int]]:
+        async with AsyncClient(cluster.address) as client:
+            done = await asyncio.gather(
+                *(client.generate(p, max_tokens=16, temperature=0.0) for p in PROMPTS)
+            )
+        return [d.token_ids for d in done]
+
+    got = asyncio.run(run())
+    assert got == [greedy(p, 16) for p in PROMPTS]
+
+
+def test_chat_answers_paris(cluster):
+    with Client(cluster.address) as client:
+        r = client.chat([{"role": "user", "content": "What is the capital of France?"}],
+                        max_tokens=32, temperature=0.0)
+    assert "Paris" in r.text
+    assert r.finish_reason == "stop"  # the model ends its turn with <|im_end|>
+
+
+def test_stop_strings_end_the_answer_without_the_stop_text(cluster):
+    with Client(cluster.address) as client:
+        full = client.generate(PROMPTS[0], max_tokens=24, temperature=0.0).text
+        word = full.split()[3]
+        cut = client.generate(PROMPTS[0], max_tokens=24, temperature=0.0, stop=[word])
+    assert cut.finish_reason == "stop"
+    assert cut.text == full[: full.index(word)]
+
+
+@pytest.mark.parametrize(
+    "params,field",
+    [
+        (dict(temperature=-1.0), "temperature = -1.0 must be in [0, 100]"),
+        (dict(top_p=1.5), "top_p = 1.5 must be in (0, 1]"),
+        (dict(max_tokens=0), "max_tokens = 0 must be >= 1"),
+        (dict(logprobs=50), "logprobs = 50 must be in [0, 20]"),
+    ],
+)
+def test_bad_sampling_parameters_are_refused_by_the_server(cluster, params, field):
+    """Straight to the service (the SDK checks these too): INVALID_ARGUMENT naming the field."""
+    import grpc
+
+    from layerline.protos.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+    with grpc.insecure_channel(cluster.address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        request = coordinator_pb2.GenerateRequest(prompt="hi", sampling=common_pb2.SamplingParams(**params))
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(request, timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in err.value.details()
+    with Client(cluster.address) as client:  # and the cluster still serves
+        assert len(client.generate("hi", max_tokens=2, temperature=0.0).token_ids) == 2
+
+
+def test_cluster_status_lists_workers_and_the_chain(cluster):
+    with Client(cluster.address) as client:
+        status = client.cluster()
+        assert client.health() == "SERVING"
+        models = client.models()
+    assert sorted(w.layers for w in status.workers) == [(0, 15), (15, 30)]
+    assert all(w.state == "SERVING" and w.replica == 0 for w in status.workers)
+    assert len(status.chains) == 1 and len(status.chains[0].addresses) == 2
+    assert [(m.num_layers, m.ready_replicas) for m in models] == [(30, 1)]
