@@ -84,7 +84,7 @@ class Generation:
         if self.sampling.logprobs is not None:
             self._pending_logprobs.append((logprob, tuple(top)))
         if token_id in self.text.eos_token_ids:
-            self._finish("stop", emit=self._stops.flush())
+            self._finish("stop", emit=self._stops.push(self._detok.flush()) + self._stops.flush())
             return
         text = self._stops.push(self._detok.push(token_id))
         if self._stops.stopped:

@@ -59,7 +59,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if not request.prompt:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt must not be empty")
         ids = self.text.encode(request.prompt)
-        async for response in self._generate(ids, request.sampling, context):
+        async for response in self._generate(ids, request.sampling, context, model=request.model):
             yield response
 
     async def Chat(
@@ -71,20 +71,32 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             ids = self.text.encode_chat([{"role": m.role, "content": m.content} for m in request.messages])
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        async for response in self._generate(ids, request.sampling, context):
+        async for response in self._generate(ids, request.sampling, context, model=request.model):
             yield response
 
     async def _generate(
-        self, ids: list[int], params: common_pb2.SamplingParams, context: grpc.aio.ServicerContext
+        self,
+        ids: list[int],
+        params: common_pb2.SamplingParams,
+        context: grpc.aio.ServicerContext,
+        *,
+        model: str,
     ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
+        served = {self.model_name} | {c.workers[0].model_id for c in self.cluster.chains}
+        if model and model not in served:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"model {model!r} is not served here; this coordinator serves {self.model_name!r}",
+            )
         try:
             sampling, max_tokens, stop = self._sampling(params)
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        if len(ids) >= self.admission.max_context:
+        if len(ids) + max_tokens > self.admission.max_context:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"prompt is {len(ids)} tokens; the context holds at most {self.admission.max_context}",
+                f"prompt of {len(ids)} tokens plus max_tokens = {max_tokens} exceeds the context "
+                f"length of {self.admission.max_context} tokens",
             )
         if self.queued >= self.admission.max_queued:
             await context.abort(

@@ -79,6 +79,10 @@ class TextModel:
             if (content := _token_content(tokenizer_config.get(name), f"tokenizer_config.json: {name}"))
         }
         extra = tokenizer_config.get("additional_special_tokens") or tokenizer_config.get("extra_special_tokens") or []
+        if isinstance(extra, dict):  # transformers 5 also names them: {"image_token": "<image>"}
+            extra = list(extra.values())
+        if not isinstance(extra, list):
+            raise TextModelError(f"{root / 'tokenizer_config.json'}: additional_special_tokens must be a list")
         extra_contents = [_token_content(token, "tokenizer_config.json: additional_special_tokens") for token in extra]
         # As transformers does: a named special token that tokenizer.json lacks is added as special.
         missing = [
@@ -127,7 +131,11 @@ class TextModel:
         return self.tokenizer.encode(text, add_special_tokens=True).ids
 
     def decode(self, ids: Sequence[int]) -> str:
-        """The text of `ids`, special tokens skipped."""
+        """The text of `ids`, special tokens skipped.
+
+        transformers' legacy `clean_up_tokenization_spaces` is never applied: transformers 5 skips
+        it for BPE tokenizers, and it is lossy (" ." -> ".") in a way streaming could not follow.
+        """
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def render_chat(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> str:

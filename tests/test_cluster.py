@@ -112,6 +112,7 @@ def test_stop_strings_end_the_answer_without_the_stop_text(cluster):
         (dict(top_p=1.5), "top_p = 1.5 must be in (0, 1]"),
         (dict(max_tokens=0), "max_tokens = 0 must be >= 1"),
         (dict(logprobs=50), "logprobs = 50 must be in [0, 20]"),
+        (dict(max_tokens=8192), "plus max_tokens = 8192 exceeds the context length of 8192 tokens"),
     ],
 )
 def test_bad_sampling_parameters_are_refused_by_the_server(cluster, params, field):
@@ -129,6 +130,30 @@ def test_bad_sampling_parameters_are_refused_by_the_server(cluster, params, fiel
         assert field in err.value.details()
     with Client(cluster.address) as client:  # and the cluster still serves
         assert len(client.generate("hi", max_tokens=2, temperature=0.0).token_ids) == 2
+
+
+def test_empty_prompt_and_unknown_model_are_refused(cluster):
+    import grpc
+
+    from layerline.protos.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+    with grpc.insecure_channel(cluster.address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        for request, message in [
+            (coordinator_pb2.GenerateRequest(prompt=""), "prompt must not be empty"),
+            (coordinator_pb2.GenerateRequest(prompt="hi", model="llama-70b"), "model 'llama-70b' is not served here"),
+        ]:
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(request, timeout=30))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert message in err.value.details()
+
+
+def test_same_seed_same_tokens_different_seeds_differ(cluster):
+    with Client(cluster.address) as client:
+        runs = [client.generate(PROMPTS[2], max_tokens=24, temperature=1.0, seed=s).token_ids for s in (1, 1, 2)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
 
 
 def test_cluster_status_lists_workers_and_the_chain(cluster):
