@@ -34,6 +34,7 @@ class ClusterPlan:
     host: str = "127.0.0.1"
     kv_memory: str = "256M"  # per stage worker
     log_dir: Path | None = None  # where each process's log goes; default: a temp folder
+    layer_ranges: tuple[tuple[int, int], ...] | None = None  # explicit (uneven) split; default: even
 
 
 def split_layers(num_layers: int, stages: int) -> list[tuple[int, int]]:
@@ -73,8 +74,8 @@ class LocalCluster:
     def start(self) -> None:
         p = self.plan
         num_layers = json.loads((self.checkpoint / "config.json").read_text())["num_hidden_layers"]
-        ranges = split_layers(num_layers, p.stages)
-        workers = p.stages * p.replicas
+        ranges = list(p.layer_ranges) if p.layer_ranges else split_layers(num_layers, p.stages)
+        workers = len(ranges) * p.replicas
         threads = max(1, (os.cpu_count() or 1) // workers)
         self._spawn("coordinator", ["coordinator", "--model", str(self.checkpoint), "--host", p.host,
                                     "--port", str(p.port)], {})

@@ -1,0 +1,78 @@
+"""Other cluster layouts through the SDK: an uneven 3-stage split, and 2 replicas x 2 stages."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from layerline.client import AsyncClient, Client
+from layerline.launcher import ClusterPlan, LocalCluster
+
+from .stage_client import free_port
+
+pytestmark = pytest.mark.real_model
+
+PROMPTS = [
+    "Hi",
+    "Once upon a time",
+    "The three primary colors are",
+    "def fibonacci(n):",
+    "Water boils at",
+    "In 1492, Columbus sailed across the Atlantic Ocean and",
+    "List three fruits:",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+]
+
+
+@pytest.fixture(scope="module")
+def greedy(real_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(real_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(real_model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+
+    def run(prompt: str, n: int) -> list[int]:
+        ids = tok(prompt)["input_ids"]
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=2)
+        return out[0, len(ids):].tolist()
+
+    return run
+
+
+def eight_concurrent(address: str) -> list[list[int]]:
+    async def run() -> list[list[int]]:
+        async with AsyncClient(address) as client:
+            done = await asyncio.gather(*(client.generate(p, max_tokens=12, temperature=0.0) for p in PROMPTS))
+        return [d.token_ids for d in done]
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(stages=3, layer_ranges=((0, 7), (7, 20), (20, 30))),
+        dict(stages=2, replicas=2),
+    ],
+    ids=["3-stages-uneven", "2-replicas-x-2-stages"],
+)
+def test_eight_concurrent_requests_equal_transformers(real_model_dir, tmp_path, greedy, layout):
+    plan = ClusterPlan(model=str(real_model_dir), port=free_port(), log_dir=tmp_path, kv_memory="32M", **layout)
+    cluster = LocalCluster(plan, real_model_dir)
+    cluster.start()
+    try:
+        status = cluster.wait_ready(timeout=180)
+        got = eight_concurrent(cluster.address)
+        with Client(cluster.address) as client:
+            chains = client.cluster().chains
+    finally:
+        cluster.stop()
+    assert got == [greedy(p, 12) for p in PROMPTS]
+    replicas = layout.get("replicas", 1)
+    assert len(status.chains) == replicas
+    assert all(len(c.addresses) == layout["stages"] for c in chains)
+    assert all(p.returncode == 0 for _, p in cluster.procs)
