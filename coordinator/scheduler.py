@@ -120,11 +120,18 @@ class ChainScheduler:
         self._wake.set()
 
     def finish(self, seq: Sequence) -> None:
-        """Drop a finished or cancelled sequence and free its KV on the chain."""
+        """Drop a finished or cancelled sequence and free its KV on the chain.
+
+        A sequence with a step still in flight is released when that step comes back, so the
+        release cannot overtake the step on a later stage.
+        """
         seq.done = True
-        if self.sequences.pop(seq.sequence_id, None) is not None and seq.fed:
-            asyncio.get_running_loop().create_task(self.release([seq.sequence_id]))
+        if self.sequences.pop(seq.sequence_id, None) is not None and not seq.in_flight:
+            self._release(seq)
         self._wake.set()
+
+    def _release(self, seq: Sequence) -> None:
+        asyncio.get_running_loop().create_task(self.release([seq.sequence_id]))
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -174,6 +181,9 @@ class ChainScheduler:
             for s in step.slices:
                 self._apply(s, by_id.get(s.seq.sequence_id))
         finally:
+            for s in step.slices:
+                if s.seq.done and s.seq.sequence_id not in self.sequences:
+                    self._release(s.seq)
             self.in_flight -= 1
             self._wake.set()
 
