@@ -19,7 +19,7 @@ import grpc
 from layerline.protos.v1 import common_pb2, stage_pb2, stage_pb2_grpc
 from layerline.rpc import channel_options
 
-from .scheduler import Outcome, PlannedStep, Sampling, StepFailed
+from .scheduler import Outcome, PlannedStep, StepFailed
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class ChainClient:
                 sample=s.sample,
             )
             if s.sample:
-                _fill_sampling(seq.sampling, s.seq.sampling)
+                s.seq.sampling.to_wire(seq.sampling)
                 if s.seq.sampling.repetition_penalty != 1.0:
                     seq.history_token_ids.extend(s.seq.history)
             seq.trace_context.update(s.seq.trace_context)
@@ -127,14 +127,3 @@ class ChainClient:
         for channel in self._channels.values():
             await channel.close()
 
-
-def _fill_sampling(msg: common_pb2.SamplingParams, sampling: Sampling) -> None:
-    msg.temperature = sampling.temperature
-    msg.top_p = sampling.top_p
-    msg.top_k = sampling.top_k
-    msg.min_p = sampling.min_p
-    msg.repetition_penalty = sampling.repetition_penalty
-    if sampling.seed is not None:
-        msg.seed = sampling.seed
-    if sampling.logprobs is not None:
-        msg.logprobs = sampling.logprobs

@@ -15,7 +15,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from .scheduler import Sampling, Sequence
+from layerline.sampling import SamplingParams
+
+from .scheduler import Sequence
 from .text import IncrementalDetokenizer, StopMatcher, TextModel
 
 
@@ -52,7 +54,7 @@ class Limits:
 class Generation:
     sequence_id: str
     prompt_ids: list[int]
-    sampling: Sampling
+    sampling: SamplingParams
     limits: Limits
     text: TextModel
     stop: list[str] = field(default_factory=list)

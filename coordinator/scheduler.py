@@ -19,18 +19,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from layerline.sampling import SamplingParams
+
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    logprobs: int | None = None  # None: none; 0: the sampled token's; n: and the top n
 
 
 @dataclass
@@ -39,7 +30,7 @@ class Sequence:
 
     sequence_id: str
     prompt: list[int]
-    sampling: Sampling
+    sampling: SamplingParams
     on_token: Callable[[int, float | None, list[tuple[int, float]]], None]  # called per new token
     on_error: Callable[[int, str], None]  # (grpc status code value, message)
     generated: list[int] = field(default_factory=list)

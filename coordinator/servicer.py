@@ -20,17 +20,16 @@ import grpc
 from asyncio_throttle import Throttler
 
 from layerline.protos.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, tensor_pb2
+from layerline.sampling import SamplingParams
 
 from .cluster import Cluster, NoChainError
 from .generation import Delta, Failed, Finished, Generation, Limits
 from .registry import Worker
-from .scheduler import Sampling
-from .text import TextModel
+from .text import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, TextModel
 
 log = logging.getLogger(__name__)
 
 FINISH = {"stop": coordinator_pb2.FINISH_REASON_STOP, "length": coordinator_pb2.FINISH_REASON_LENGTH}
-MAX_STOP = 16
 
 
 @dataclass(frozen=True)
@@ -141,33 +140,17 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             self.active -= 1
             self._slots.release()
 
-    def _sampling(self, p: common_pb2.SamplingParams) -> tuple[Sampling, int, list[str]]:
+    def _sampling(self, p: common_pb2.SamplingParams) -> tuple[SamplingParams, int, list[str]]:
         max_tokens = p.max_tokens if p.HasField("max_tokens") else self.admission.default_max_tokens
         if max_tokens < 1:
             raise ValueError(f"max_tokens = {max_tokens} must be >= 1")
         stop = list(p.stop)
-        if len(stop) > MAX_STOP or any(not s or len(s) > 256 for s in stop):
-            raise ValueError(f"stop takes at most {MAX_STOP} strings of 1 to 256 characters")
-        sampling = Sampling(
-            temperature=p.temperature if p.HasField("temperature") else 1.0,
-            top_p=p.top_p if p.HasField("top_p") else 1.0,
-            top_k=p.top_k,
-            min_p=p.min_p,
-            repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
-            seed=p.seed if p.HasField("seed") else None,
-            logprobs=p.logprobs if p.HasField("logprobs") else None,
-        )
-        checks = [
-            (0.0 <= sampling.temperature <= 100.0, f"temperature = {sampling.temperature} must be in [0, 100]"),
-            (0.0 < sampling.top_p <= 1.0, f"top_p = {sampling.top_p} must be in (0, 1]"),
-            (0.0 <= sampling.min_p <= 1.0, f"min_p = {sampling.min_p} must be in [0, 1]"),
-            (0.0 < sampling.repetition_penalty <= 100.0,
-             f"repetition_penalty = {sampling.repetition_penalty} must be in (0, 100]"),
-            ((sampling.logprobs or 0) <= 20, f"logprobs = {sampling.logprobs} must be in [0, 20]"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+        if len(stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_STRING_CHARS for s in stop):
+            raise ValueError(
+                f"stop takes at most {MAX_STOP_STRINGS} strings of 1 to {MAX_STOP_STRING_CHARS} characters"
+            )
+        sampling = SamplingParams.from_wire(p)
+        sampling.check()
         return sampling, max_tokens, stop
 
     async def ListModels(

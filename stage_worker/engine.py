@@ -19,7 +19,9 @@ import torch
 
 from .kv_cache import KVCacheExhausted, PagedKVCache
 from .llama import StageModel
-from .sampler import Draw, SamplingParams, sample
+from layerline.sampling import SamplingParams
+
+from .sampler import Draw, sample
 
 
 class StepInputError(ValueError):

@@ -16,34 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-MAX_LOGPROBS = 20
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0 is greedy
-    top_k: int = 0  # keep the k most likely tokens; 0 keeps all
-    top_p: float = 1.0  # keep the smallest set whose probability reaches p
-    min_p: float = 0.0  # drop tokens below min_p times the most likely one's probability
-    repetition_penalty: float = 1.0  # > 1 discourages tokens already in the sequence
-    seed: int | None = None  # makes a non-greedy draw reproducible
-    logprobs: int = 0  # how many top alternatives to report with each token
-
-    def check(self) -> None:
-        """Raise ValueError naming the field and its limit."""
-        if not (self.temperature >= 0.0 and self.temperature <= 100.0):
-            raise ValueError(f"temperature = {self.temperature} must be in [0, 100]")
-        if self.top_k < 0:
-            raise ValueError(f"top_k = {self.top_k} must be >= 0")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p = {self.top_p} must be in (0, 1]")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p = {self.min_p} must be in [0, 1]")
-        if not 0.0 < self.repetition_penalty <= 100.0:
-            raise ValueError(f"repetition_penalty = {self.repetition_penalty} must be in (0, 100]")
-        if not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs = {self.logprobs} must be in [0, {MAX_LOGPROBS}]")
-
+from layerline.sampling import SamplingParams
 
 @dataclass(frozen=True)
 class Draw:
@@ -77,7 +50,7 @@ def sample(
             probs = _filtered_probs(row / p.temperature, p)
             token = int(torch.multinomial(probs, 1, generator=_generator(p.seed, positions[i])))
         top: tuple[tuple[int, float], ...] = ()
-        if p.logprobs:
+        if p.logprobs:  # None and 0 ask for no alternatives
             values, ids = torch.topk(raw_logprobs[i], p.logprobs)
             top = tuple(zip(ids.tolist(), values.tolist()))
         draws.append(Draw(token, float(raw_logprobs[i, token]), top))

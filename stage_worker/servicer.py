@@ -24,12 +24,12 @@ import grpc
 import torch
 
 from layerline.protos.v1 import common_pb2, stage_pb2, stage_pb2_grpc
+from layerline.sampling import SamplingParams
 
 from .codec import CodecLimits, FrameError, Reassembler, chunk
 from .engine import SequenceError, SequenceStep, StageEngine, StepInputError, StepOutput
 from .hops import NextHops
 from .kv_cache import KVCacheExhausted
-from .sampler import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -259,18 +259,7 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
 
 
 def _sequence_step(msg: stage_pb2.SequenceInput, *, last: bool) -> SequenceStep:
-    sampling = None
-    if last and msg.sample:
-        p = msg.sampling
-        sampling = SamplingParams(
-            temperature=p.temperature if p.HasField("temperature") else 1.0,
-            top_k=p.top_k,
-            top_p=p.top_p if p.HasField("top_p") else 1.0,
-            min_p=p.min_p,
-            repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
-            seed=p.seed if p.HasField("seed") else None,
-            logprobs=p.logprobs,
-        )
+    sampling = SamplingParams.from_wire(msg.sampling) if last and msg.sample else None
     return SequenceStep(
         sequence_id=msg.sequence_id,
         positions=tuple(msg.positions),
