@@ -262,11 +262,7 @@ def _start_cluster(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         checkpoint = resolve_model(args.model)
         plan = ClusterPlan(model=str(checkpoint), stages=args.stages, replicas=args.replicas, tp=args.tp,
                            dtype=args.dtype, port=args.port, kv_memory=args.kv_memory)
-        cluster = LocalCluster(plan, checkpoint)
-        from layerline.launcher import split_layers
-        import json
-
-        split_layers(json.loads((checkpoint / "config.json").read_text())["num_hidden_layers"], args.stages)
+        cluster = LocalCluster(plan, checkpoint)  # checks the split before anything starts
     print(f"starting {args.replicas} x {args.stages} stage workers and a coordinator "
           f"(logs in {cluster.log_dir}) ...", file=sys.stderr, flush=True)
     cluster.start()

@@ -59,6 +59,8 @@ class LocalCluster:
         self.plan = plan
         self.checkpoint = checkpoint
         self.address = f"{plan.host}:{plan.port}"
+        num_layers = json.loads((checkpoint / "config.json").read_text())["num_hidden_layers"]
+        self.ranges = list(plan.layer_ranges) if plan.layer_ranges else split_layers(num_layers, plan.stages)
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
         self.log_dir = plan.log_dir or Path(os.environ.get("TMPDIR", "/tmp")) / f"layerline-{os.getpid()}"
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -73,14 +75,12 @@ class LocalCluster:
 
     def start(self) -> None:
         p = self.plan
-        num_layers = json.loads((self.checkpoint / "config.json").read_text())["num_hidden_layers"]
-        ranges = list(p.layer_ranges) if p.layer_ranges else split_layers(num_layers, p.stages)
-        workers = len(ranges) * p.replicas
+        workers = len(self.ranges) * p.replicas
         threads = max(1, (os.cpu_count() or 1) // workers)
         self._spawn("coordinator", ["coordinator", "--model", str(self.checkpoint), "--host", p.host,
                                     "--port", str(p.port)], {})
         for r in range(p.replicas):
-            for i, (start, end) in enumerate(ranges):
+            for start, end in self.ranges:
                 args = ["stage", "--model", str(self.checkpoint), "--layers", f"{start}:{end}",
                         "--host", p.host, "--port", str(_free_port(p.host)), "--coordinator", self.address,
                         "--dtype", p.dtype, "--threads", str(threads), "--kv-memory", p.kv_memory]
