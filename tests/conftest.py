@@ -22,3 +22,31 @@ def real_model_dir() -> Path:
     path = Path(done.stdout.strip().splitlines()[-1])
     assert (path / "config.json").is_file()
     return path
+
+
+@pytest.fixture(scope="session")
+def hf_real(real_model_dir: Path):
+    """transformers' tokenizer and model on the fetched checkpoint: the oracle, loaded once."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(real_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(real_model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # generate exactly n tokens
+    return tok, model
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_real):
+    """greedy(prompt text or ids, n) -> the n token ids transformers' `generate` picks."""
+    import torch
+
+    tok, model = hf_real
+
+    def greedy(prompt: str | list[int], n: int) -> list[int]:
+        ids = tok(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=2)
+        return out[0, len(ids):].tolist()
+
+    return greedy

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
 from layerline.client import AsyncClient, Client
 from layerline.launcher import ClusterPlan, LocalCluster, split_layers
@@ -31,23 +30,6 @@ def cluster(real_model_dir, tmp_path_factory):
     assert [p.returncode for _, p in local.procs] == [0, 0, 0]
 
 
-@pytest.fixture(scope="module")
-def oracle(real_model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(real_model_dir)
-    model = AutoModelForCausalLM.from_pretrained(real_model_dir, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-
-    def greedy(prompt: str, n: int) -> list[int]:
-        ids = tok(prompt)["input_ids"]
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=2)
-        return out[0, len(ids):].tolist()
-
-    return tok, greedy
-
-
 def test_split_layers_is_even_and_half_open():
     assert split_layers(30, 2) == [(0, 15), (15, 30)]
     assert split_layers(30, 4) == [(0, 8), (8, 16), (16, 23), (23, 30)]
@@ -55,11 +37,11 @@ def test_split_layers_is_even_and_half_open():
         split_layers(30, 31)
 
 
-def test_generate_equals_transformers_greedy(cluster, oracle):
-    tok, greedy = oracle
+def test_generate_equals_transformers_greedy(cluster, hf_real, hf_greedy):
+    tok, _ = hf_real
     with Client(cluster.address) as client:
         r = client.generate(PROMPTS[0], max_tokens=24, temperature=0.0)
-    assert r.token_ids == greedy(PROMPTS[0], 24)
+    assert r.token_ids == hf_greedy(PROMPTS[0], 24)
     assert r.text == tok.decode(r.token_ids, skip_special_tokens=True)
     assert r.finish_reason == "length"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(tok(PROMPTS[0])["input_ids"]), 24)
@@ -74,9 +56,7 @@ def test_stream_deltas_concatenate_to_the_completion(cluster):
     assert chunks[-1].finish_reason == "length" and all(c.finish_reason is None for c in chunks[:-1])
 
 
-def test_concurrent_streams_each_equal_transformers(cluster, oracle):
-    _, greedy = oracle
-
+def test_concurrent_streams_each_equal_transformers(cluster, hf_greedy):
     async def run() -> list[list[int]]:
         async with AsyncClient(cluster.address) as client:
             done = await asyncio.gather(
@@ -85,7 +65,7 @@ def test_concurrent_streams_each_equal_transformers(cluster, oracle):
         return [d.token_ids for d in done]
 
     got = asyncio.run(run())
-    assert got == [greedy(p, 16) for p in PROMPTS]
+    assert got == [hf_greedy(p, 16) for p in PROMPTS]
 
 
 def test_chat_answers_paris(cluster):

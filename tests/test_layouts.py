@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
 from layerline.client import AsyncClient, Client
 from layerline.launcher import ClusterPlan, LocalCluster
@@ -26,23 +25,6 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def greedy(real_model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(real_model_dir)
-    model = AutoModelForCausalLM.from_pretrained(real_model_dir, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-
-    def run(prompt: str, n: int) -> list[int]:
-        ids = tok(prompt)["input_ids"]
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=2)
-        return out[0, len(ids):].tolist()
-
-    return run
-
-
 def eight_concurrent(address: str) -> list[list[int]]:
     async def run() -> list[list[int]]:
         async with AsyncClient(address) as client:
@@ -60,7 +42,7 @@ def eight_concurrent(address: str) -> list[list[int]]:
     ],
     ids=["3-stages-uneven", "2-replicas-x-2-stages"],
 )
-def test_eight_concurrent_requests_equal_transformers(real_model_dir, tmp_path, greedy, layout):
+def test_eight_concurrent_requests_equal_transformers(real_model_dir, tmp_path, hf_greedy, layout):
     plan = ClusterPlan(model=str(real_model_dir), port=free_port(), log_dir=tmp_path, kv_memory="32M", **layout)
     cluster = LocalCluster(plan, real_model_dir)
     cluster.start()
@@ -71,7 +53,7 @@ def test_eight_concurrent_requests_equal_transformers(real_model_dir, tmp_path, 
             chains = client.cluster().chains
     finally:
         cluster.stop()
-    assert got == [greedy(p, 12) for p in PROMPTS]
+    assert got == [hf_greedy(p, 12) for p in PROMPTS]
     replicas = layout.get("replicas", 1)
     assert len(status.chains) == replicas
     assert all(len(c.addresses) == layout["stages"] for c in chains)
