@@ -136,6 +136,46 @@ def test_same_seed_same_tokens_different_seeds_differ(cluster):
     assert runs[0] != runs[2]
 
 
+def test_a_cancelled_stream_releases_its_kv_on_every_stage(cluster):
+    import time
+
+    import grpc
+
+    from layerline.protos.v1 import stage_pb2, stage_pb2_grpc
+
+    def kv() -> dict[str, tuple[int, int]]:
+        """(free, total) KV blocks of each stage, read from the stage itself."""
+        out = {}
+        for address in addresses:
+            with grpc.insecure_channel(address) as channel:
+                info = stage_pb2_grpc.StageWorkerStub(channel).Info(stage_pb2.InfoRequest(), timeout=10).worker
+                out[address] = (info.kv_blocks_free, info.kv_blocks_total)
+        return out
+
+    def wait_all_free() -> dict[str, tuple[int, int]]:
+        deadline = time.monotonic() + 15
+        now = kv()
+        while any(f != t for f, t in now.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+            now = kv()
+        return now
+
+    with Client(cluster.address) as client:
+        addresses = [w.address for w in client.cluster().workers]
+        before = wait_all_free()  # releases of earlier tests' requests land asynchronously
+        assert all(f == t for f, t in before.values()), before
+        other = client.stream(PROMPTS[3], max_tokens=12, temperature=0.0)
+        stream = iter(client.stream(PROMPTS[0] * 20, max_tokens=200, temperature=0.0))
+        first = [next(stream) for _ in range(3)]
+        assert all(c.finish_reason is None for c in first)
+        during = kv()
+        assert all(during[a][0] < before[a][0] for a in addresses), during  # the long prompt holds blocks
+        stream.close()  # the client goes away mid-generation
+        rest = list(other)  # another request is unaffected
+    assert rest[-1].finish_reason == "length" and sum(len(c.token_ids) for c in rest) == 12
+    assert wait_all_free() == before
+
+
 def test_cluster_status_lists_workers_and_the_chain(cluster):
     with Client(cluster.address) as client:
         status = client.cluster()
