@@ -35,6 +35,7 @@ class ClusterPlan:
     kv_memory: str = "256M"  # per stage worker
     log_dir: Path | None = None  # where each process's log goes; default: a temp folder
     layer_ranges: tuple[tuple[int, int], ...] | None = None  # explicit (uneven) split; default: even
+    coordinator_args: tuple[str, ...] = ()  # extra `layerline coordinator` flags
 
 
 def split_layers(num_layers: int, stages: int) -> list[tuple[int, int]]:
@@ -78,7 +79,7 @@ class LocalCluster:
         workers = len(self.ranges) * p.replicas
         threads = max(1, (os.cpu_count() or 1) // workers)
         self._spawn("coordinator", ["coordinator", "--model", str(self.checkpoint), "--host", p.host,
-                                    "--port", str(p.port)], {})
+                                    "--port", str(p.port), *p.coordinator_args], {})
         for r in range(p.replicas):
             for start, end in self.ranges:
                 args = ["stage", "--model", str(self.checkpoint), "--layers", f"{start}:{end}",
