@@ -6,7 +6,6 @@ import math
 
 import grpc
 import pytest
-import torch
 
 from layerline.protos.v1 import common_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
 from layerline.stage_worker.model_config import LayerRange

@@ -1,0 +1,200 @@
+"""`layerline up | run | generate | chat | status | bench`: a local cluster and its clients."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .cli_support import CommandError, HelpFormatter, Subcommands, reported_as_errors
+
+
+def _cluster_flags(p: argparse.ArgumentParser) -> None:
+    from layerline.model_store import DEFAULT_MODEL
+
+    p.add_argument("--model", default=DEFAULT_MODEL, metavar="M",
+                   help=f"checkpoint directory or known name (default: {DEFAULT_MODEL})")
+    p.add_argument("--stages", type=int, default=2, metavar="P", help="pipeline stages per chain (default: 2)")
+    p.add_argument("--replicas", type=int, default=1, metavar="R", help="chains side by side (default: 1)")
+    p.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel ranks per stage (default: 1)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="dtype of weights and activations (default: float32)")
+    p.add_argument("--port", type=int, default=7070, metavar="P", help="coordinator port (default: 7070)")
+    p.add_argument("--kv-memory", default="256M", metavar="SIZE", help="KV pool per stage worker (default: 256M)")
+
+
+def _start_cluster(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from layerline.launcher import ClusterPlan, LocalCluster
+    from layerline.model_store import ModelStoreError, resolve_model
+
+    if args.tp != 1:
+        raise CommandError("--tp > 1 (tensor parallelism inside a stage) is not available yet")
+    with reported_as_errors(ModelStoreError, ValueError):
+        checkpoint = resolve_model(args.model)
+        plan = ClusterPlan(model=str(checkpoint), stages=args.stages, replicas=args.replicas, tp=args.tp,
+                           dtype=args.dtype, port=args.port, kv_memory=args.kv_memory)
+        cluster = LocalCluster(plan, checkpoint)  # checks the split before anything starts
+    print(f"starting {args.replicas} x {args.stages} stage workers and a coordinator "
+          f"(logs in {cluster.log_dir}) ...", file=sys.stderr, flush=True)
+    cluster.start()
+    try:
+        with reported_as_errors(RuntimeError, TimeoutError):
+            status = cluster.wait_ready()
+    except BaseException:
+        cluster.stop()
+        raise
+    for chain in status.chains:
+        print(f"  chain {chain.replica}: {' -> '.join(chain.addresses)}", file=sys.stderr)
+    return cluster
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    cluster = _start_cluster(args)
+    print(f"layerline ready on {cluster.address} (Ctrl-C stops every process)", flush=True)
+    try:
+        cluster.wait()
+    finally:
+        print("stopping ...", file=sys.stderr, flush=True)
+        cluster.stop()
+    return 0
+
+
+def _stream_answer(target: str, args: argparse.Namespace, prompt: str | None, messages=None) -> int:  # type: ignore[no-untyped-def]
+    from layerline.client import Client, LayerlineError
+
+    params = dict(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    with Client(target) as client, reported_as_errors(LayerlineError):
+        chunks = client.stream(prompt, **params) if messages is None else client.chat_stream(messages, **params)
+        for chunk in chunks:
+            print(chunk.text, end="", flush=True)
+            if chunk.finish_reason:
+                print(f"\n[{chunk.finish_reason}: {chunk.usage.prompt_tokens} prompt + "
+                      f"{chunk.usage.completion_tokens} completion tokens]", file=sys.stderr)
+    print()
+    return 0
+
+
+def _sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128, metavar="N", help="tokens to generate (default: 128)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 is greedy (default: 0)")
+    p.add_argument("--seed", type=int, metavar="S", help="makes sampling reproducible")
+
+
+def _run_run(args: argparse.Namespace) -> int:
+    cluster = _start_cluster(args)
+    try:
+        messages = [{"role": "user", "content": args.prompt}] if args.chat else None
+        return _stream_answer(cluster.address, args, None if args.chat else args.prompt, messages)
+    finally:
+        cluster.stop()
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    return _stream_answer(args.target, args, args.prompt)
+
+
+def _run_chat(args: argparse.Namespace) -> int:
+    from layerline.client import Client, LayerlineError
+
+    history: list[dict[str, str]] = []
+    with Client(args.target) as client, reported_as_errors(LayerlineError):
+        while True:
+            try:
+                line = input("you> ")
+            except EOFError:
+                print()
+                return 0
+            if not line.strip():
+                continue
+            history.append({"role": "user", "content": line})
+            reply = ""
+            for chunk in client.chat_stream(history, max_tokens=args.max_tokens, temperature=args.temperature,
+                                            seed=args.seed):
+                print(chunk.text, end="", flush=True)
+                reply += chunk.text
+            print()
+            history.append({"role": "assistant", "content": reply})
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    from layerline.client import Client, LayerlineError
+
+    with Client(args.target) as client, reported_as_errors(LayerlineError):
+        status = client.cluster()
+    print(f"{len(status.chains)} chain(s), {status.active_requests} active, {status.queued_requests} queued")
+    for chain in status.chains:
+        print(f"  chain {chain.replica}: {' -> '.join(chain.addresses)} ({chain.active_sequences} sequences)")
+    print(f"{'address':22} {'layers':>9} {'replica':>7} {'tp':>3} {'state':12} {'pid':>7} {'kv free':>13}")
+    for w in status.workers:
+        layers = f"{w.layers[0]}:{w.layers[1]}"
+        replica = "-" if w.replica is None else str(w.replica)
+        kv = f"{w.load.kv_blocks_free}/{w.load.kv_blocks_total}"
+        print(f"{w.address:22} {layers:>9} {replica:>7} {w.tp:>3} {w.state:12} {w.pid:>7} {kv:>13}")
+    return 0
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from layerline.bench import run_bench
+    from layerline.model_store import ModelStoreError, resolve_model
+
+    with reported_as_errors(ModelStoreError, RuntimeError, TimeoutError):
+        result = run_bench(resolve_model(args.model), dtype=args.dtype, new_tokens=args.new_tokens,
+                           port=args.port, json_path=args.json)
+    missed = [name for name, ok in result.within_budget.items() if not ok]
+    if missed:
+        print(f"[bench] outside budget: {', '.join(missed)}", file=sys.stderr)
+    return 0
+
+
+def add_cluster_commands(commands: Subcommands) -> None:
+    """`layerline up | run | generate | chat | status`."""
+    up = commands.add_parser(
+        "up", help="start a whole cluster on this machine",
+        description="Start a coordinator and stages x replicas stage workers, each its own OS "
+                    "process, layers split evenly; print the address when every chain is ready; "
+                    "stop every process on Ctrl-C or SIGTERM.",
+        formatter_class=HelpFormatter,
+    )
+    _cluster_flags(up)
+    up.set_defaults(handler=_run_up)
+    run = commands.add_parser(
+        "run", help="start a cluster, stream one answer, stop",
+        description="Like `up`, then stream the answer to PROMPT and stop every process.",
+        formatter_class=HelpFormatter,
+    )
+    _cluster_flags(run)
+    _sampling_flags(run)
+    run.add_argument("--chat", action="store_true", help="send PROMPT as a chat message (chat template)")
+    run.add_argument("prompt", metavar="PROMPT")
+    run.set_defaults(handler=_run_run)
+    gen = commands.add_parser("generate", help="stream a completion from a running cluster")
+    gen.add_argument("--target", default="127.0.0.1:7070", metavar="ADDR", help="coordinator address")
+    _sampling_flags(gen)
+    gen.add_argument("prompt", metavar="PROMPT")
+    gen.set_defaults(handler=_run_generate)
+    chat = commands.add_parser("chat", help="chat with a running cluster (Ctrl-D ends)")
+    chat.add_argument("--target", default="127.0.0.1:7070", metavar="ADDR", help="coordinator address")
+    _sampling_flags(chat)
+    chat.set_defaults(handler=_run_chat)
+    status = commands.add_parser("status", help="show the workers and chains of a running cluster")
+    status.add_argument("--target", default="127.0.0.1:7070", metavar="ADDR", help="coordinator address")
+    status.set_defaults(handler=_run_status)
+    bench = commands.add_parser(
+        "bench", help="measure decode speed against transformers, as ratios, and print JSON",
+        description="Measure, in one run on this machine: transformers' generate (single stream "
+                    "and batch 32) as the baseline; then local clusters of 1 and 2 stages: time "
+                    "to first token and decode tokens/s of one stream, and aggregate tokens/s at "
+                    "1, 8 and 32 concurrent streams. Prints the figures, the ratios and whether "
+                    "each is within DESIGN.md's budget. Needs transformers (the test extra).",
+        formatter_class=HelpFormatter,
+    )
+    from layerline.model_store import DEFAULT_MODEL
+
+    bench.add_argument("--model", default=DEFAULT_MODEL, metavar="M",
+                       help=f"checkpoint directory or known name (default: {DEFAULT_MODEL})")
+    bench.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                       help="dtype for both sides (default: float32)")
+    bench.add_argument("--new-tokens", type=int, default=64, metavar="N", help="tokens per stream (default: 64)")
+    bench.add_argument("--port", type=int, default=7179, metavar="P", help="coordinator port to use (default: 7179)")
+    bench.add_argument("--json", type=Path, metavar="FILE", help="also write the figures to FILE")
+    bench.set_defaults(handler=_run_bench)

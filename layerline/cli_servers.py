@@ -1,0 +1,123 @@
+"""`layerline stage` and `layerline coordinator`: the two long-running server processes."""
+
+from __future__ import annotations
+
+import argparse
+
+from .cli_support import HelpFormatter, Subcommands, configure_logging, reported_as_errors
+
+# --- layerline stage ... -------------------------------------------------------------------
+
+
+def _run_stage(args: argparse.Namespace) -> int:
+    from layerline.rpc import parse_size
+
+    configure_logging()
+    with reported_as_errors(ValueError):
+        kv_memory = parse_size(args.kv_memory)
+        max_message = parse_size(args.max_message_size)
+    from layerline.model_store import ModelStoreError
+    from layerline.stage_worker.model_config import ConfigError
+    from layerline.stage_worker.server import StageSettings, run_stage
+    from layerline.stage_worker.weights import CheckpointError
+
+    settings = StageSettings(
+        model=args.model,
+        layers=args.layers,
+        host=args.host,
+        port=args.port,
+        advertise=args.advertise,
+        coordinator=args.coordinator,
+        dtype=args.dtype,
+        device=args.device,
+        kv_memory_bytes=kv_memory,
+        kv_block_size=args.kv_block_size,
+        max_message_bytes=max_message,
+        threads=args.threads,
+    )
+    with reported_as_errors(ConfigError, CheckpointError, ModelStoreError, ValueError, OSError):
+        return run_stage(settings)
+
+
+def add_stage_commands(commands: Subcommands) -> None:
+    """`layerline stage`: one stage worker process."""
+    stage = commands.add_parser(
+        "stage", help="serve a layer range of a model as a stage worker",
+        description="Serve the half-open layer range [START, END) of a model over gRPC: the "
+                    "StageWorker service (long-lived Step streams, Release, Info) and the "
+                    "standard grpc.health.v1 service, SERVING once the weights are loaded and a "
+                    "one-token forward has run. The stage with START 0 holds the embedding; the "
+                    "one with END = the number of layers holds the final norm, LM head and "
+                    "sampler. SIGTERM stops it cleanly.",
+        formatter_class=HelpFormatter,
+    )
+    stage.add_argument("--model", required=True, metavar="M",
+                       help="checkpoint directory, or a known model name (fetched on first use)")
+    stage.add_argument("--layers", required=True, metavar="START:END",
+                       help="half-open layer range, e.g. 0:15")
+    stage.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: 127.0.0.1)")
+    stage.add_argument("--port", type=int, default=0, metavar="P",
+                       help="port to listen on (default: 0, a free port, logged at start)")
+    stage.add_argument("--advertise", metavar="HOST:PORT",
+                       help="address peers reach this stage at (default: HOST:PORT)")
+    stage.add_argument("--coordinator", metavar="ADDR", help="coordinator to register with")
+    stage.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                       help="dtype of weights and activations (default: float32)")
+    stage.add_argument("--device", default="cpu", metavar="D", help="torch device (default: cpu)")
+    stage.add_argument("--kv-memory", default="256M", metavar="SIZE",
+                       help="memory preallocated for the paged KV cache (default: 256M)")
+    stage.add_argument("--kv-block-size", type=int, default=16, metavar="N",
+                       help="tokens per KV block (default: 16)")
+    stage.add_argument("--max-message-size", default="64M", metavar="SIZE",
+                       help="gRPC message limit; larger hidden states travel in chunks (default: 64M)")
+    stage.add_argument("--threads", type=int, metavar="N",
+                       help="torch CPU threads (default: all cores)")
+    stage.set_defaults(handler=_run_stage)
+
+
+# --- layerline coordinator ----------------------------------------------------------------
+
+
+def _run_coordinator(args: argparse.Namespace) -> int:
+    configure_logging()
+    from layerline.coordinator.server import CoordinatorSettings, run_coordinator
+    from layerline.model_store import ModelStoreError
+
+    settings = CoordinatorSettings(
+        model=args.model, host=args.host, port=args.port, default_max_tokens=args.default_max_tokens,
+        max_active=args.max_active, max_queued=args.max_queued, rate_limit=args.rate_limit,
+        token_budget=args.token_budget, depth=args.depth,
+    )
+    with reported_as_errors(ModelStoreError, ValueError, OSError):
+        return run_coordinator(settings)
+
+
+def add_coordinator_commands(commands: Subcommands) -> None:
+    """`layerline coordinator`: the process clients talk to."""
+    from layerline.model_store import DEFAULT_MODEL
+
+    c = commands.add_parser(
+        "coordinator", help="run the coordinator that clients call and stage workers join",
+        description="Run the coordinator: tokenizes requests, builds chains of registered stage "
+                    "workers that cover every layer, schedules micro-batches over them and "
+                    "streams text back. Serves layerline.v1.Coordinator, layerline.v1.Registry "
+                    "and grpc.health.v1. SIGTERM stops admitting and finishes in-flight requests.",
+        formatter_class=HelpFormatter,
+    )
+    c.add_argument("--model", default=DEFAULT_MODEL, metavar="M",
+                   help=f"checkpoint directory or known name, for the tokenizer (default: {DEFAULT_MODEL})")
+    c.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: 127.0.0.1)")
+    c.add_argument("--port", type=int, default=7070, metavar="P", help="port to listen on (default: 7070)")
+    c.add_argument("--default-max-tokens", type=int, default=256, metavar="N",
+                   help="max_tokens when a request does not say (default: 256)")
+    c.add_argument("--max-active", type=int, default=256, metavar="N",
+                   help="sequences generating at once (default: 256)")
+    c.add_argument("--max-queued", type=int, default=512, metavar="N",
+                   help="requests waiting for a slot before RESOURCE_EXHAUSTED (default: 512)")
+    c.add_argument("--rate-limit", type=float, default=1000.0, metavar="R",
+                   help="new requests admitted per second (default: 1000)")
+    c.add_argument("--token-budget", type=int, default=512, metavar="N",
+                   help="tokens per micro-batch step; longer prompts are prefilled in chunks (default: 512)")
+    c.add_argument("--depth", type=int, metavar="N",
+                   help="micro-batches in flight per chain (default: the chain's length)")
+    c.set_defaults(handler=_run_coordinator)

@@ -1,0 +1,51 @@
+"""What every `layerline` command group shares: user-facing errors, help formatting, logging.
+
+A failure the user can act on is raised as `CommandError` (or translated to it with
+`reported_as_errors`) and printed by `layerline.cli.main` as `error: ...` with exit code 2 and
+no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TypeAlias
+
+Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130
+
+
+class CommandError(Exception):
+    """A failure the user can act on: printed as `error: <message>`, exit code 2."""
+
+
+@contextmanager
+def reported_as_errors(*error_types: type[Exception]) -> Iterator[None]:
+    """Turn the domain exceptions `error_types` raised in the block into `CommandError`."""
+    try:
+        yield
+    except error_types as exc:
+        raise CommandError(str(exc)) from exc
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Wraps paragraphs like argparse's default but keeps indented lines (lists) as written."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=32)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        fill = super()._fill_text
+        return "\n".join(
+            indent + line if line.startswith("  ") or not line else fill(line, width, indent)
+            for line in text.split("\n")
+        )
+
+
+def configure_logging() -> None:
+    """Log lines for long-running processes (stage workers, the coordinator)."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
