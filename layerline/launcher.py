@@ -36,6 +36,7 @@ class ClusterPlan:
     log_dir: Path | None = None  # where each process's log goes; default: a temp folder
     layer_ranges: tuple[tuple[int, int], ...] | None = None  # explicit (uneven) split; default: even
     coordinator_args: tuple[str, ...] = ()  # extra `layerline coordinator` flags
+    threads: int | None = None  # torch threads per stage worker; default: the cores shared out
 
 
 def split_layers(num_layers: int, stages: int) -> list[tuple[int, int]]:
@@ -77,7 +78,7 @@ class LocalCluster:
     def start(self) -> None:
         p = self.plan
         workers = len(self.ranges) * p.replicas
-        threads = max(1, (os.cpu_count() or 1) // workers)
+        threads = p.threads or max(1, (os.cpu_count() or 1) // workers)
         self._spawn("coordinator", ["coordinator", "--model", str(self.checkpoint), "--host", p.host,
                                     "--port", str(p.port), *p.coordinator_args], {})
         for r in range(p.replicas):

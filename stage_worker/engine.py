@@ -24,6 +24,9 @@ from layerline.sampling import SamplingParams
 from .sampler import Draw, sample
 
 
+SMALL_STEP_TOKENS = 4  # steps of at most this many tokens run on one CPU thread
+
+
 class StepInputError(ValueError):
     """A step, or one sequence of it, that breaks the rules of the wire contract."""
 
@@ -58,13 +61,24 @@ class StepOutput:
 class StageEngine:
     """Runs steps in arrival order on one thread; everything it owns is touched only there."""
 
-    def __init__(self, model: StageModel, cache: PagedKVCache, *, max_step_tokens: int = 8192) -> None:
+    def __init__(
+        self,
+        model: StageModel,
+        cache: PagedKVCache,
+        *,
+        max_step_tokens: int = 8192,
+        max_threads: int | None = None,
+    ) -> None:
         self.model = model
         self.cache = cache
         self.config = model.config
         self.max_step_tokens = max_step_tokens
         self.dtype = next(model.parameters()).dtype
         self._lock = threading.Lock()
+        # On CPU a step of a few tokens is bound by memory bandwidth: one thread reads the weights
+        # as fast as several, and leaves the other cores to co-located processes.
+        self.max_threads = max_threads or torch.get_num_threads()
+        self._threads = torch.get_num_threads()
 
     @property
     def is_first(self) -> bool:
@@ -91,7 +105,15 @@ class StageEngine:
     def run(self, seqs: Sequence[SequenceStep], hidden: torch.Tensor | None = None) -> StepOutput:
         """Run one micro-batch. `hidden` is [sum of tokens, hidden_size] on later stages."""
         with self._lock:
+            if self.cache.device.type == "cpu":
+                self._use_threads(sum(s.num_tokens for s in seqs))
             return self._run(seqs, hidden)
+
+    def _use_threads(self, step_tokens: int) -> None:
+        wanted = 1 if step_tokens <= SMALL_STEP_TOKENS else self.max_threads
+        if wanted != self._threads:
+            torch.set_num_threads(wanted)
+            self._threads = wanted
 
     def _run(self, seqs: Sequence[SequenceStep], hidden: torch.Tensor | None) -> StepOutput:
         self._check_step(seqs, hidden)

@@ -26,10 +26,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # Normalized in float32, then cast, then scaled: the order transformers uses.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -63,9 +62,8 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = config.head_dim
         hidden, d = config.hidden_size, config.head_dim
-        self.q_proj = nn.Linear(hidden, num_heads * d, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(hidden, num_kv_heads * d, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(hidden, num_kv_heads * d, bias=config.qkv_bias)
+        # q, k and v in one matmul: rows [q | k | v], fused at load time (see weights.py).
+        self.qkv_proj = nn.Linear(hidden, (num_heads + 2 * num_kv_heads) * d, bias=config.qkv_bias)
         self.o_proj = nn.Linear(num_heads * d, hidden, bias=config.o_bias)
 
     def forward(
@@ -79,11 +77,10 @@ class Attention(nn.Module):
         layout: StepLayout,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, h, d]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, kvh, d]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, kvh, d]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
+        qk = qk * cos + rotate_half(qk) * sin  # rotary on q and k at once: [T, h + kvh, d]
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # q [T, h, d]; k, v [T, kvh, d]
         k_pool[layout.write_slots] = k
         v_pool[layout.write_slots] = v
         out = torch.empty_like(q)  # [T, h, d]
@@ -117,23 +114,22 @@ class Attention(nn.Module):
         mask: torch.Tensor | None,
         causal: bool,
     ) -> torch.Tensor:
-        group = self.num_heads // self.num_kv_heads
-        if group > 1:
-            k = k.repeat_interleave(group, dim=1)  # [B, h, L, d]
-            v = v.repeat_interleave(group, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.num_heads != self.num_kv_heads
+        )
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, *, intermediate_size: int) -> None:
         super().__init__()
         hidden, bias = config.hidden_size, config.mlp_bias
-        self.gate_proj = nn.Linear(hidden, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden, intermediate_size, bias=bias)
+        # gate and up in one matmul: rows [gate | up], fused at load time (see weights.py).
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each [T, intermediate]
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -21,7 +21,7 @@ from layerline.sampling import SamplingParams
 @dataclass(frozen=True)
 class Draw:
     token_id: int
-    logprob: float  # of the chosen token under the model's unprocessed distribution
+    logprob: float | None = None  # of the chosen token, unprocessed distribution; when asked
     top: tuple[tuple[int, float], ...] = field(default=())  # (token id, logprob), best first
 
 
@@ -36,24 +36,35 @@ def sample(
 
     `histories[i]` are the token ids row i's sequence holds so far (for the repetition
     penalty); `positions[i]` is the position the drawn token will take (mixed into the seed,
-    so each step of a seeded request draws differently but reproducibly).
+    so each step of a seeded request draws differently but reproducibly). Plain greedy rows
+    are decided by one batched argmax; log-probabilities are computed only for rows that ask.
     """
-    raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, vocab]
-    draws: list[Draw] = []
+    tokens = [0] * len(params)
+    plain = [i for i, p in enumerate(params) if p.temperature == 0.0 and p.repetition_penalty == 1.0]
+    if plain:
+        for i, t in zip(plain, logits[plain].argmax(-1).tolist()):
+            tokens[i] = t
     for i, p in enumerate(params):
+        if p.temperature == 0.0 and p.repetition_penalty == 1.0:
+            continue
         row = logits[i]
         if p.repetition_penalty != 1.0 and histories[i]:
             row = _penalize(row, histories[i], p.repetition_penalty)
         if p.temperature == 0.0:
-            token = int(torch.argmax(row))
+            tokens[i] = int(torch.argmax(row))
         else:
             probs = _filtered_probs(row / p.temperature, p)
-            token = int(torch.multinomial(probs, 1, generator=_generator(p.seed, positions[i])))
-        top: tuple[tuple[int, float], ...] = ()
-        if p.logprobs:  # None and 0 ask for no alternatives
-            values, ids = torch.topk(raw_logprobs[i], p.logprobs)
-            top = tuple(zip(ids.tolist(), values.tolist()))
-        draws.append(Draw(token, float(raw_logprobs[i, token]), top))
+            tokens[i] = int(torch.multinomial(probs, 1, generator=_generator(p.seed, positions[i])))
+    draws = [Draw(t) for t in tokens]
+    asking = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if asking:
+        raw = torch.log_softmax(logits[asking], dim=-1)  # [A, vocab]
+        for row, i in enumerate(asking):
+            top: tuple[tuple[int, float], ...] = ()
+            if params[i].logprobs:  # n > 0: the n most likely alternatives too
+                values, ids = torch.topk(raw[row], params[i].logprobs)  # type: ignore[arg-type]
+                top = tuple(zip(ids.tolist(), values.tolist()))
+            draws[i] = Draw(tokens[i], float(raw[row, tokens[i]]), top)
     return draws
 
 

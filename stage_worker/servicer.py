@@ -278,7 +278,7 @@ def _draw_results(step: _Step, out: StepOutput) -> dict[str, stage_pb2.SequenceR
         asked = wants[seq.sequence_id]
         if draw is not None and asked.sample:
             result.sampled_token_id = draw.token_id
-            if asked.sampling.HasField("logprobs"):
+            if draw.logprob is not None:
                 result.logprob = draw.logprob
                 result.top_logprobs.extend(
                     common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in draw.top

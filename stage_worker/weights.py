@@ -53,7 +53,9 @@ class CheckpointReader:
 
 
 def owned_tensor_names(config: ModelConfig, layers: LayerRange) -> dict[str, str]:
-    """Map each parameter name of a `StageModel` to the checkpoint tensor it loads from."""
+    """Map each unfused parameter of a stage (as in the checkpoint, without the `model.`
+    prefix) to the checkpoint tensor it loads from. `load_stage` then fuses q, k, v and gate, up.
+    """
     names: dict[str, str] = {}
     if layers.is_first:
         names["embed_tokens.weight"] = "model.embed_tokens.weight"
@@ -103,7 +105,7 @@ def load_stage(
             source = "model.embed_tokens.weight"
         if source not in loaded:
             tensor = reader.get(source)
-            expected = tuple(_param_shape(model, param))
+            expected = _expected_shape(config, param)
             if tuple(tensor.shape) != expected:
                 raise CheckpointError(
                     f"checkpoint tensor {source!r} has shape {tuple(tensor.shape)}, "
@@ -111,14 +113,36 @@ def load_stage(
                 )
             loaded[source] = tensor.to(device=device, dtype=dtype)
         state[param] = loaded[source]
-    model.load_state_dict(state, strict=True, assign=True)
+    model.load_state_dict(_fused(state, layers), strict=True, assign=True)
     model.inv_freq = rope_inv_freq(config.rope, config.head_dim).to(device)
     return model.eval()
 
 
-def _param_shape(model: StageModel, name: str) -> torch.Size:
-    module_name, _, attr = name.rpartition(".")
-    return getattr(model.get_submodule(module_name), attr).shape
+def _expected_shape(config: ModelConfig, param: str) -> tuple[int, ...]:
+    hidden, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    q, kv = config.num_heads * d, config.num_kv_heads * d
+    module, _, what = param.rpartition(".")  # "layers.3.self_attn.q_proj", "weight"
+    kind = module.rpartition(".")[2]  # "q_proj"
+    out_in = {
+        "embed_tokens": (config.vocab_size, hidden), "lm_head": (config.vocab_size, hidden),
+        "q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
+        "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter),
+    }.get(kind, (hidden,))  # the norms
+    return out_in if what == "weight" else out_in[:1]
+
+
+def _fused(state: dict[str, torch.Tensor], layers: LayerRange) -> dict[str, torch.Tensor]:
+    """Concatenate q, k, v into qkv_proj and gate, up into gate_up_proj (rows stacked)."""
+    for i in layers:
+        for kind in ("weight", "bias"):
+            attn, mlp = f"layers.{i}.self_attn", f"layers.{i}.mlp"
+            parts = [state.pop(f"{attn}.{p}_proj.{kind}", None) for p in "qkv"]
+            if parts[0] is not None:
+                state[f"{attn}.qkv_proj.{kind}"] = torch.cat(parts)  # type: ignore[arg-type]
+            parts = [state.pop(f"{mlp}.{p}_proj.{kind}", None) for p in ("gate", "up")]
+            if parts[0] is not None:
+                state[f"{mlp}.gate_up_proj.{kind}"] = torch.cat(parts)  # type: ignore[arg-type]
+    return state
 
 
 def model_id(checkpoint: str | Path) -> str:

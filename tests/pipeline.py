@@ -20,9 +20,9 @@ def cache_for(stage: StageModel, *, num_blocks: int = 64, block_size: int = 8) -
 class LocalPipeline:
     """Stages run in order in one process, each with its own cache."""
 
-    def __init__(self, stages: Sequence[StageModel]) -> None:
+    def __init__(self, stages: Sequence[StageModel], *, num_blocks: int = 64) -> None:
         self.stages = list(stages)
-        self.caches = [cache_for(s) for s in self.stages]
+        self.caches = [cache_for(s, num_blocks=num_blocks) for s in self.stages]
 
     @torch.no_grad()
     def step(self, seqs: dict[str, list[int]], *, all_logits: bool = False) -> torch.Tensor:
