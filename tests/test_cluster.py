@@ -47,6 +47,17 @@ def test_generate_equals_transformers_greedy(cluster, hf_real, hf_greedy):
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(tok(PROMPTS[0])["input_ids"]), 24)
 
 
+def test_logprobs_come_with_each_token(cluster):
+    with Client(cluster.address) as client:
+        r = client.generate(PROMPTS[0], max_tokens=6, temperature=0.0, logprobs=3)
+        plain = client.generate(PROMPTS[0], max_tokens=6, temperature=0.0)
+    assert plain.logprobs is None and r.token_ids == plain.token_ids
+    assert len(r.logprobs) == 6
+    for token, lp in zip(r.token_ids, r.logprobs):
+        assert len(lp.top) == 3 and lp.top[0][0] == token  # greedy takes the most likely token
+        assert lp.logprob == lp.top[0][1] and lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
+
+
 def test_stream_deltas_concatenate_to_the_completion(cluster):
     with Client(cluster.address) as client:
         chunks = list(client.stream(PROMPTS[1], max_tokens=20, temperature=0.0))
