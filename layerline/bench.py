@@ -1,11 +1,11 @@
 """`layerline bench`: the performance figures of DESIGN.md, measured in one run, as ratios.
 
-Owns the measurement plan: transformers' `generate` as the baseline (single stream and a batch
-of 32, at the same dtype and thread count), then local clusters of 1 and 2 stages started as
-real processes, each measured through the client SDK: time to first token and decode
-tokens/s of a single stream, and aggregate tokens/s at 1, 8 and 32 concurrent streams. Only
-one thing runs at a time, so the figures share the machine fairly. transformers is needed here
-only, as the baseline.
+Owns the measurement plan. transformers' `generate` is the baseline (single stream and a batch
+of 32, same dtype, same thread count), loaded in this process; a 1-stage and a 2-stage local
+cluster run beside it as real processes, measured through the client SDK. Only one thing
+computes at a time, and the measurements are interleaved in rounds (baseline, 1 stage,
+2 stages, again ...) with the median of each kept, so that the drift of a shared machine
+touches both sides of every ratio alike. transformers is needed here only, as the baseline.
 """
 
 from __future__ import annotations
@@ -13,8 +13,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import statistics
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -22,18 +25,18 @@ from layerline.client import AsyncClient, Client
 from layerline.launcher import ClusterPlan, LocalCluster
 
 PROMPT = "Write a long story about a dragon who learns to paint. Once upon a time"
-BUDGETS = {
+BUDGETS = {  # ratio name -> the least it may be (DESIGN.md, performance budgets)
     "single_stream_1_stage_vs_transformers": 1.3,
     "single_stream_2_stages_vs_1_stage": 0.9,
     "concurrent_32_vs_transformers_batch_32": 1.0,
 }
+MAX_ADDED_MS_PER_HOP = 1.0
 
 
-@dataclass
-class StreamFigures:
+@dataclass(frozen=True)
+class Stream:
     ttft_s: float  # time to first token
-    decode_tokens_per_s: float  # after the first token
-    tokens: int
+    decode_tokens_per_s: float  # tokens after the first, per second after the first arrived
 
 
 @dataclass
@@ -42,9 +45,9 @@ class BenchResult:
     dtype: str
     threads: int
     new_tokens: int
-    transformers_single: StreamFigures | None = None
-    transformers_batch32_tokens_per_s: float = 0.0
-    clusters: dict[str, dict[str, object]] = field(default_factory=dict)
+    rounds: int
+    single_stream: dict[str, Stream] = field(default_factory=dict)  # medians: "transformers", ...
+    aggregate_tokens_per_s: dict[str, float] = field(default_factory=dict)  # medians
     ratios: dict[str, float] = field(default_factory=dict)
     within_budget: dict[str, bool] = field(default_factory=dict)
 
@@ -53,105 +56,137 @@ def _log(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
-def transformers_baseline(checkpoint: Path, *, dtype: str, threads: int, new_tokens: int) -> tuple[StreamFigures, float]:
-    try:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-    except ImportError as err:
-        raise RuntimeError(f"the baseline needs transformers ({err}); pip install 'layerline[test]'") from None
-    torch.set_num_threads(threads)
-    tok = AutoTokenizer.from_pretrained(checkpoint)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype)).eval()
-    model.generation_config.eos_token_id = None
-    ids = torch.tensor([tok(PROMPT)["input_ids"]])
-    kwargs = dict(do_sample=False, pad_token_id=2)
-    with torch.no_grad():
-        model.generate(ids, max_new_tokens=4, **kwargs)  # warm up
-        start = time.perf_counter()
-        model.generate(ids, max_new_tokens=1, **kwargs)
-        ttft = time.perf_counter() - start
-        start = time.perf_counter()
-        model.generate(ids, max_new_tokens=new_tokens, **kwargs)
-        total = time.perf_counter() - start
-        single = StreamFigures(ttft, (new_tokens - 1) / max(total - ttft, 1e-9), new_tokens)
-        batch = ids.repeat(32, 1)
-        start = time.perf_counter()
-        model.generate(batch, max_new_tokens=new_tokens, **kwargs)
-        batch_rate = 32 * new_tokens / (time.perf_counter() - start)
-    del model
-    return single, batch_rate
+class Baseline:
+    """transformers' generate on the same checkpoint, dtype and threads."""
+
+    def __init__(self, checkpoint: Path, *, dtype: str, threads: int) -> None:
+        try:
+            import torch
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+        except ImportError as err:
+            raise RuntimeError(f"the baseline needs transformers ({err}): pip install 'layerline[test]'") from None
+        self.torch = torch
+        torch.set_num_threads(threads)
+        tok = AutoTokenizer.from_pretrained(checkpoint)
+        self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype)).eval()
+        self.model.generation_config.eos_token_id = None  # exactly the tokens asked for
+        self.ids = torch.tensor([tok(PROMPT)["input_ids"]])
+        self._generate(self.ids, 4)  # warm up
+
+    def _generate(self, ids, n: int) -> float:  # type: ignore[no-untyped-def]
+        with self.torch.no_grad():
+            start = time.perf_counter()
+            self.model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=2)
+            return time.perf_counter() - start
+
+    def single(self, n: int) -> Stream:
+        ttft = self._generate(self.ids, 1)
+        total = self._generate(self.ids, n)
+        return Stream(ttft, (n - 1) / max(total - ttft, 1e-9))
+
+    def batch(self, size: int, n: int) -> float:
+        return size * n / self._generate(self.ids.repeat(size, 1), n)
 
 
-def _single_stream(address: str, new_tokens: int) -> StreamFigures:
+def cluster_single(address: str, n: int) -> Stream:
     with Client(address) as client:
-        client.generate(PROMPT, max_tokens=4, temperature=0.0)  # warm up
         start = time.perf_counter()
         first = last = 0.0
         count = 0
-        for chunk in client.stream(PROMPT, max_tokens=new_tokens, temperature=0.0):
+        for chunk in client.stream(PROMPT, max_tokens=n, temperature=0.0):
             now = time.perf_counter()
             if chunk.token_ids and not first:
                 first = now
             count += len(chunk.token_ids)
             last = now
-    return StreamFigures(first - start, (count - 1) / max(last - first, 1e-9), count)
+    return Stream(first - start, (count - 1) / max(last - first, 1e-9))
 
 
-def _concurrent(address: str, streams: int, new_tokens: int) -> float:
+def cluster_aggregate(address: str, streams: int, n: int) -> float:
     async def run() -> float:
         async with AsyncClient(address) as client:
             start = time.perf_counter()
             done = await asyncio.gather(
-                *(client.generate(PROMPT, max_tokens=new_tokens, temperature=0.0) for _ in range(streams))
+                *(client.generate(PROMPT, max_tokens=n, temperature=0.0) for _ in range(streams))
             )
             return sum(len(d.token_ids) for d in done) / (time.perf_counter() - start)
 
     return asyncio.run(run())
 
 
-def measure_cluster(checkpoint: Path, *, stages: int, dtype: str, new_tokens: int, concurrency: tuple[int, ...],
-                    port: int) -> dict[str, object]:
-    plan = ClusterPlan(model=str(checkpoint), stages=stages, dtype=dtype, port=port, kv_memory="256M")
-    cluster = LocalCluster(plan, checkpoint)
-    cluster.start()
-    try:
-        cluster.wait_ready()
-        single = _single_stream(cluster.address, new_tokens)
-        _log(f"{stages} stage(s): single stream {single.decode_tokens_per_s:.1f} tok/s, ttft {single.ttft_s * 1000:.0f} ms")
-        aggregate: dict[str, float] = {}
-        for n in concurrency:
-            aggregate[str(n)] = _concurrent(cluster.address, n, new_tokens)
-            _log(f"{stages} stage(s): {n} concurrent streams {aggregate[str(n)]:.1f} tok/s")
-    finally:
-        cluster.stop()
-    return {"single": asdict(single), "concurrent_tokens_per_s": aggregate}
+def _median_stream(samples: list[Stream]) -> Stream:
+    return Stream(statistics.median(s.ttft_s for s in samples),
+                  statistics.median(s.decode_tokens_per_s for s in samples))
 
 
-def run_bench(checkpoint: Path, *, dtype: str = "float32", new_tokens: int = 64, port: int = 7179,
-              json_path: Path | None = None) -> BenchResult:
+def _rounds(rounds: int, runs: dict[str, Callable[[], object]]) -> dict[str, list]:  # type: ignore[type-arg]
+    samples: dict[str, list] = {name: [] for name in runs}  # type: ignore[type-arg]
+    for r in range(rounds):
+        for name, run in runs.items():
+            samples[name].append(run())
+        _log(f"round {r + 1}/{rounds}: " + ", ".join(f"{k} {_show(v[-1])}" for k, v in samples.items()))
+    return samples
+
+
+def _show(value: object) -> str:
+    if isinstance(value, Stream):
+        return f"{value.decode_tokens_per_s:.1f} tok/s (ttft {value.ttft_s * 1000:.0f} ms)"
+    return f"{value:.1f} tok/s"
+
+
+def run_bench(checkpoint: Path, *, dtype: str = "float32", new_tokens: int = 64, rounds: int = 3,
+              port: int = 7179, json_path: Path | None = None) -> BenchResult:
     threads = os.cpu_count() or 1
-    result = BenchResult(model=checkpoint.name, dtype=dtype, threads=threads, new_tokens=new_tokens)
-    _log("transformers generate: single stream and batch 32 ...")
-    result.transformers_single, result.transformers_batch32_tokens_per_s = transformers_baseline(
-        checkpoint, dtype=dtype, threads=threads, new_tokens=new_tokens
-    )
-    _log(f"transformers: single {result.transformers_single.decode_tokens_per_s:.1f} tok/s, "
-         f"batch 32 {result.transformers_batch32_tokens_per_s:.1f} tok/s")
-    one = measure_cluster(checkpoint, stages=1, dtype=dtype, new_tokens=new_tokens, concurrency=(), port=port)
-    two = measure_cluster(checkpoint, stages=2, dtype=dtype, new_tokens=new_tokens, concurrency=(1, 8, 32),
-                          port=port)
-    result.clusters = {"1_stage": one, "2_stages": two}
-    s1 = one["single"]["decode_tokens_per_s"]  # type: ignore[index]
-    s2 = two["single"]["decode_tokens_per_s"]  # type: ignore[index]
-    c32 = two["concurrent_tokens_per_s"]["32"]  # type: ignore[index]
-    result.ratios = {
-        "single_stream_1_stage_vs_transformers": s1 / result.transformers_single.decode_tokens_per_s,
-        "single_stream_2_stages_vs_1_stage": s2 / s1,
-        "concurrent_32_vs_transformers_batch_32": c32 / result.transformers_batch32_tokens_per_s,
-        "added_ms_per_extra_hop_per_token": 1000.0 * (1 / s2 - 1 / s1),
+    result = BenchResult(model=checkpoint.name, dtype=dtype, threads=threads, new_tokens=new_tokens, rounds=rounds)
+    _log(f"loading the transformers baseline ({dtype}, {threads} threads) ...")
+    baseline = Baseline(checkpoint, dtype=dtype, threads=threads)
+    logs = Path(tempfile.gettempdir()) / f"layerline-bench-{os.getpid()}"
+    clusters = {
+        stages: LocalCluster(ClusterPlan(model=str(checkpoint), stages=stages, dtype=dtype, port=port + stages,
+                                         kv_memory="256M", log_dir=logs / f"{stages}-stage"), checkpoint)
+        for stages in (1, 2)
     }
-    result.within_budget = {k: result.ratios[k] >= v for k, v in BUDGETS.items()}
-    result.within_budget["added_ms_per_extra_hop_per_token"] = result.ratios["added_ms_per_extra_hop_per_token"] <= 1.0
+    try:
+        for cluster in clusters.values():
+            cluster.start()
+        for cluster in clusters.values():
+            cluster.wait_ready()
+            cluster_aggregate(cluster.address, 2, 4)  # warm up
+        one, two = clusters[1].address, clusters[2].address
+        _log("single streams ...")
+        singles = _rounds(rounds, {
+            "transformers": lambda: baseline.single(new_tokens),
+            "1_stage": lambda: cluster_single(one, new_tokens),
+            "2_stages": lambda: cluster_single(two, new_tokens),
+        })
+        result.single_stream = {k: _median_stream(v) for k, v in singles.items()}
+        _log("concurrent streams ...")
+        aggregates = _rounds(rounds, {
+            "transformers_batch_32": lambda: baseline.batch(32, new_tokens),
+            "2_stages_x32": lambda: cluster_aggregate(two, 32, new_tokens),
+            "1_stage_x32": lambda: cluster_aggregate(one, 32, new_tokens),
+        })
+        aggregates.update(_rounds(1, {
+            "2_stages_x1": lambda: cluster_aggregate(two, 1, new_tokens),
+            "2_stages_x8": lambda: cluster_aggregate(two, 8, new_tokens),
+        }))
+        result.aggregate_tokens_per_s = {k: statistics.median(v) for k, v in aggregates.items()}
+    finally:
+        for cluster in clusters.values():
+            cluster.stop()
+    s = {k: v.decode_tokens_per_s for k, v in result.single_stream.items()}
+    a = result.aggregate_tokens_per_s
+    result.ratios = {
+        "single_stream_1_stage_vs_transformers": s["1_stage"] / s["transformers"],
+        "single_stream_2_stages_vs_1_stage": s["2_stages"] / s["1_stage"],
+        "concurrent_32_vs_transformers_batch_32": a["2_stages_x32"] / a["transformers_batch_32"],
+        "concurrent_32_1_stage_vs_transformers_batch_32": a["1_stage_x32"] / a["transformers_batch_32"],
+        "added_ms_per_extra_hop_per_token": 1000.0 * (1 / s["2_stages"] - 1 / s["1_stage"]),
+    }
+    result.within_budget = {k: result.ratios[k] >= least for k, least in BUDGETS.items()}
+    result.within_budget["added_ms_per_extra_hop_per_token"] = (
+        result.ratios["added_ms_per_extra_hop_per_token"] <= MAX_ADDED_MS_PER_HOP
+    )
     text = json.dumps(asdict(result), indent=2)
     if json_path is not None:
         json_path.write_text(text + "\n")

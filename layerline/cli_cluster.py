@@ -139,7 +139,7 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     with reported_as_errors(ModelStoreError, RuntimeError, TimeoutError):
         result = run_bench(resolve_model(args.model), dtype=args.dtype, new_tokens=args.new_tokens,
-                           port=args.port, json_path=args.json)
+                           rounds=args.rounds, port=args.port, json_path=args.json)
     missed = [name for name, ok in result.within_budget.items() if not ok]
     if missed:
         print(f"[bench] outside budget: {', '.join(missed)}", file=sys.stderr)
@@ -182,10 +182,11 @@ def add_cluster_commands(commands: Subcommands) -> None:
     bench = commands.add_parser(
         "bench", help="measure decode speed against transformers, as ratios, and print JSON",
         description="Measure, in one run on this machine: transformers' generate (single stream "
-                    "and batch 32) as the baseline; then local clusters of 1 and 2 stages: time "
+                    "and batch 32) as the baseline, and local clusters of 1 and 2 stages: time "
                     "to first token and decode tokens/s of one stream, and aggregate tokens/s at "
-                    "1, 8 and 32 concurrent streams. Prints the figures, the ratios and whether "
-                    "each is within DESIGN.md's budget. Needs transformers (the test extra).",
+                    "1, 8 and 32 concurrent streams. Measurements are interleaved in rounds and "
+                    "the medians kept. Prints the figures, the ratios and whether each is within "
+                    "DESIGN.md's budget. Needs transformers (the test extra).",
         formatter_class=HelpFormatter,
     )
     from layerline.model_store import DEFAULT_MODEL
@@ -195,6 +196,9 @@ def add_cluster_commands(commands: Subcommands) -> None:
     bench.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                        help="dtype for both sides (default: float32)")
     bench.add_argument("--new-tokens", type=int, default=64, metavar="N", help="tokens per stream (default: 64)")
-    bench.add_argument("--port", type=int, default=7179, metavar="P", help="coordinator port to use (default: 7179)")
+    bench.add_argument("--rounds", type=int, default=3, metavar="N",
+                       help="interleaved rounds; the median of each figure is kept (default: 3)")
+    bench.add_argument("--port", type=int, default=7179, metavar="P",
+                       help="the clusters' coordinators use P+1 and P+2 (default: 7179)")
     bench.add_argument("--json", type=Path, metavar="FILE", help="also write the figures to FILE")
     bench.set_defaults(handler=_run_bench)
