@@ -24,7 +24,9 @@ from .scheduler import Outcome, PlannedStep, StepFailed
 log = logging.getLogger(__name__)
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
 RELEASE_TIMEOUT = 5.0
+STEP_TIMEOUT = 60.0  # a step unanswered this long counts as a failed chain (heartbeats notice sooner)
 
 
 class ChainClient:
@@ -38,6 +40,7 @@ class ChainClient:
         self._pending: dict[int, asyncio.Future[stage_pb2.StepResult]] = {}
         self._ids = itertools.count(1)
         self._lock = asyncio.Lock()
+        self._closed = False
 
     async def __call__(self, step: PlannedStep) -> list[Outcome]:
         header = stage_pb2.StepHeader(
@@ -64,7 +67,12 @@ class ChainClient:
                 self._pending.pop(header.step_id, None)
                 raise StepFailed(UNAVAILABLE, f"stage {self.addresses[0]} is unreachable: {err}",
                                  failed_address=self.addresses[0]) from None
-        result = await future
+        try:
+            result = await asyncio.wait_for(future, STEP_TIMEOUT)
+        except asyncio.TimeoutError:
+            self._pending.pop(header.step_id, None)
+            raise StepFailed(DEADLINE_EXCEEDED, f"chain {' -> '.join(self.addresses)} did not answer a step "
+                             f"within {STEP_TIMEOUT:.0f}s") from None
         if result.error.code:
             raise StepFailed(result.error.code, result.error.message,
                              failed_address=result.failed_address or self.addresses[0])
@@ -112,6 +120,9 @@ class ChainClient:
         pending.clear()
 
     async def release(self, sequence_ids: list[str]) -> None:
+        """Free the sequences' KV on every stage of the chain; best effort, failures logged."""
+        if not sequence_ids or self._closed:
+            return
         request = stage_pb2.ReleaseRequest(sequence_ids=sequence_ids)
         calls = [
             stage_pb2_grpc.StageWorkerStub(ch).Release(request, timeout=RELEASE_TIMEOUT)
@@ -122,6 +133,7 @@ class ChainClient:
                 log.warning("release of %s on %s failed: %s", sequence_ids, address, outcome.code().name)
 
     async def close(self) -> None:
+        self._closed = True
         if self._call is not None:
             self._call.cancel()
         for channel in self._channels.values():

@@ -1,8 +1,12 @@
-"""The live cluster as the coordinator runs it: chains, their schedulers, and routing.
+"""The live cluster as the coordinator runs it: chains, their schedulers, routing, failover.
 
 Owns the mapping from registered workers to running chains (a `ChainClient` and a
 `ChainScheduler` each), rebuilding it when membership changes, and placing each new sequence
-on the least-loaded chain, where it stays pinned while its KV lives there.
+on the least-loaded chain, where it stays pinned while its KV lives there. When a chain loses a
+worker, its sequences move: each is placed on another chain with nothing fed, so the new chain
+rebuilds its KV by prefilling the sequence's token history (prompt plus what was generated),
+then goes on. Moves are bounded (`FailoverPolicy`) and back off; past the bound the request
+ends with UNAVAILABLE naming the cause.
 
 Knows nothing of text or of client RPCs.
 """
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 from .chain import ChainClient
@@ -20,6 +25,16 @@ from .scheduler import ChainScheduler, Sequence, StepFailed
 log = logging.getLogger(__name__)
 
 UNAVAILABLE = 14
+DEADLINE_EXCEEDED = 4
+FAILOVER_CODES = (UNAVAILABLE, DEADLINE_EXCEEDED)  # a hop is gone or stuck: move, do not fail
+
+
+@dataclass(frozen=True)
+class FailoverPolicy:
+    max_moves: int = 5  # moves of one sequence to another chain before it fails
+    backoff: float = 0.1  # seconds before the first re-placement; doubles with each move
+    max_backoff: float = 2.0  # the longest wait between moves
+    wait_for_chain: float = 10.0  # how long a moved sequence may wait for any complete chain
 
 
 class NoChainError(RuntimeError):
@@ -50,8 +65,11 @@ class Cluster:
         max_message_bytes: int,
         token_budget: int,
         depth: int | None = None,
+        failover: FailoverPolicy = FailoverPolicy(),
     ) -> None:
         self.registry = registry
+        self.failover = failover
+        self.failovers = 0  # sequences moved off a failed chain, since start
         self.max_message_bytes = max_message_bytes
         self.token_budget = token_budget
         self.depth = depth
@@ -65,7 +83,9 @@ class Cluster:
         if self.registry.version == self._version:
             return
         self._version = self.registry.version
-        wanted = build_chains(self.registry.workers(), self.registry.num_layers)
+        wanted = build_chains(
+            self.registry.workers(), self.registry.num_layers, keep=[c.workers for c in self.chains]
+        )
         old = {c.key: c for c in self.chains}
         chains: list[RunningChain] = []
         for i, workers in enumerate(wanted):
@@ -99,22 +119,61 @@ class Cluster:
         return running
 
     def _drop_chain(self, chain: RunningChain, reason: str) -> None:
-        for seq in list(chain.scheduler.sequences.values()):
-            self._where.pop(seq.sequence_id, None)
-            seq.on_error(UNAVAILABLE, f"{reason}; retry the request")
-        asyncio.get_running_loop().create_task(self._close(chain))
+        seqs = list(chain.scheduler.sequences.values())
+        chain.scheduler.sequences.clear()
+        self._move(seqs, reason)
+        asyncio.get_running_loop().create_task(self._close(chain, release=[s.sequence_id for s in seqs]))
 
-    async def _close(self, chain: RunningChain) -> None:
+    async def _close(self, chain: RunningChain, *, release: list[str] | None = None) -> None:
         await chain.scheduler.stop()
+        if release:  # best effort: frees what the surviving workers of the chain still hold
+            await chain.client.release(release)
         await chain.client.close()
 
     def _step_failed(self, chain: RunningChain, seqs: list[Sequence], err: StepFailed) -> None:
-        if err.failed_address:
-            self.registry.mark(err.failed_address, "UNREACHABLE")
         for seq in seqs:
             chain.scheduler.sequences.pop(seq.sequence_id, None)
+        if err.code not in FAILOVER_CODES:
+            for seq in seqs:
+                self._where.pop(seq.sequence_id, None)
+                seq.on_error(err.code, str(err))
+            return
+        log.warning("step on chain %s failed (%s); moving %d sequence(s)", " -> ".join(chain.addresses), err, len(seqs))
+        if err.failed_address:
+            self.registry.mark(err.failed_address, "UNREACHABLE")
+        self._move(seqs, str(err))
+        asyncio.get_running_loop().create_task(chain.client.release([s.sequence_id for s in seqs]))
+        self.refresh()  # drops the broken chain and moves the rest of its sequences
+
+    def _move(self, seqs: list[Sequence], reason: str) -> None:
+        """Re-place sequences whose KV was lost, after a backoff; fail those out of moves."""
+        loop = asyncio.get_running_loop()
+        for seq in seqs:
             self._where.pop(seq.sequence_id, None)
-            seq.on_error(err.code, str(err))
+            if seq.done:
+                continue
+            seq.fed, seq.in_flight = 0, False
+            seq.moves += 1
+            if seq.moves > self.failover.max_moves:
+                seq.on_error(UNAVAILABLE, f"gave up after {self.failover.max_moves} failovers; last cause: {reason}")
+                continue
+            self.failovers += 1
+            delay = min(self.failover.backoff * 2 ** (seq.moves - 1), self.failover.max_backoff)
+            deadline = time.monotonic() + self.failover.wait_for_chain
+            loop.call_later(delay, self._replace, seq, reason, deadline)
+
+    def _replace(self, seq: Sequence, reason: str, deadline: float) -> None:
+        if seq.done or seq.sequence_id in self._where:
+            return
+        try:
+            chain = self.place(seq)
+        except NoChainError as err:
+            if time.monotonic() >= deadline:
+                seq.on_error(UNAVAILABLE, f"{err} (after: {reason})")
+            else:
+                asyncio.get_running_loop().call_later(0.25, self._replace, seq, reason, deadline)
+            return
+        log.info("sequence %s moved to chain %d; replaying %d tokens", seq.sequence_id, chain.replica, len(seq.history))
 
     def place(self, seq: Sequence) -> RunningChain:
         self.refresh()

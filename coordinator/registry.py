@@ -102,14 +102,23 @@ class Registry:
             self.version += 1
 
 
-def build_chains(workers: list[Worker], num_layers: int) -> list[list[Worker]]:
-    """Disjoint chains covering [0, num_layers), most chains first, each of one model id.
+def build_chains(
+    workers: list[Worker], num_layers: int, *, keep: list[list[Worker]] = ()  # type: ignore[assignment]
+) -> list[list[Worker]]:
+    """Disjoint chains covering [0, num_layers), each of one model id.
 
-    Fewest hops are preferred for each chain; ties keep registration order, so the result is
-    stable while membership does not change.
+    Chains in `keep` whose workers are all still usable come first, unchanged, so a failure
+    moves only the sequences of the chain that broke. The rest are built from the remaining
+    workers, fewest hops first; ties keep registration order.
     """
     usable = [w for w in workers if w.state == "SERVING"]
     chains: list[list[Worker]] = []
+    alive = {(w.address, w.instance_id) for w in usable}
+    for chain in keep:
+        if all((w.address, w.instance_id) in alive for w in chain):
+            chains.append(chain)
+    taken = {w.address for chain in chains for w in chain}
+    usable = [w for w in usable if w.address not in taken]
     for model_id in dict.fromkeys(w.model_id for w in usable):
         pool = [w for w in usable if w.model_id == model_id]
         while (path := _shortest_cover(pool, num_layers)) is not None:

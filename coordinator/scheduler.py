@@ -37,6 +37,7 @@ class Sequence:
     fed: int = 0  # tokens of the history whose KV the chain holds
     in_flight: bool = False
     done: bool = False
+    moves: int = 0  # times it was moved to another chain after a failure
     trace_context: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -164,19 +165,24 @@ class ChainScheduler:
         try:
             outcomes = await self.send(step)
         except StepFailed as err:
-            for s in step.slices:
-                s.seq.in_flight = False
-            self.on_step_failed([s.seq for s in step.slices if not s.seq.done], err)
+            mine = [s.seq for s in step.slices if self._owns(s.seq)]
+            for seq in mine:
+                seq.in_flight = False
+            self.on_step_failed(mine, err)
         else:
             by_id = {o.sequence_id: o for o in outcomes}
             for s in step.slices:
-                self._apply(s, by_id.get(s.seq.sequence_id))
+                if self._owns(s.seq):  # a sequence moved to another chain meanwhile is not ours
+                    self._apply(s, by_id.get(s.seq.sequence_id))
         finally:
             for s in step.slices:
                 if s.seq.done and s.seq.sequence_id not in self.sequences:
                     self._release(s.seq)
             self.in_flight -= 1
             self._wake.set()
+
+    def _owns(self, seq: Sequence) -> bool:
+        return self.sequences.get(seq.sequence_id) is seq
 
     def _apply(self, s: Slice, outcome: Outcome | None) -> None:
         seq = s.seq
