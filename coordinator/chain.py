@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
 RELEASE_TIMEOUT = 5.0
+PROBE_TIMEOUT = 10.0
 STEP_TIMEOUT = 60.0  # a step unanswered this long counts as a failed chain (heartbeats notice sooner)
 
 
@@ -139,3 +140,20 @@ class ChainClient:
         for channel in self._channels.values():
             await channel.close()
 
+
+class ProbeFailed(Exception):
+    """A worker did not pass its readiness probe."""
+
+
+async def probe(address: str) -> float:
+    """Ask a worker to run a real one-token forward; its wall time in seconds, or ProbeFailed."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        try:
+            reply = await stage_pb2_grpc.StageWorkerStub(channel).Info(
+                stage_pb2.InfoRequest(probe=True), timeout=PROBE_TIMEOUT
+            )
+        except grpc.aio.AioRpcError as err:
+            raise ProbeFailed(f"{err.code().name}: {err.details()}") from None
+    if reply.worker.state != common_pb2.WORKER_STATE_SERVING:
+        raise ProbeFailed(f"it reports {common_pb2.WorkerState.Name(reply.worker.state)}")
+    return reply.probe_seconds

@@ -18,7 +18,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from .chain import ChainClient
+from .chain import ChainClient, ProbeFailed, probe
 from .registry import Registry, Worker, build_chains
 from .scheduler import ChainScheduler, Sequence, StepFailed
 
@@ -84,7 +84,7 @@ class Cluster:
             return
         self._version = self.registry.version
         wanted = build_chains(
-            self.registry.workers(), self.registry.num_layers, keep=[c.workers for c in self.chains]
+            self.registry.routable(), self.registry.num_layers, keep=[c.workers for c in self.chains]
         )
         old = {c.key: c for c in self.chains}
         chains: list[RunningChain] = []
@@ -191,6 +191,23 @@ class Cluster:
         if chain is not None:
             chain.scheduler.finish(seq)
         seq.done = True
+
+    async def probe_workers(self, *, every: float) -> None:
+        """Run the readiness probe (a real one-token forward) on each worker that is due.
+
+        A worker joins routing only after its probe passes, and leaves it when a probe fails.
+        """
+        due = self.registry.due_for_probe(every=every)
+        results = await asyncio.gather(*(probe(w.address) for w in due), return_exceptions=True)
+        for worker, outcome in zip(due, results):
+            ready = not isinstance(outcome, BaseException)
+            if isinstance(outcome, ProbeFailed):
+                log.warning("worker %s failed its readiness probe: %s", worker.address, outcome)
+            elif isinstance(outcome, BaseException):
+                raise outcome
+            self.registry.probed(worker, ready=ready)
+        if due:
+            self.refresh()
 
     def replica_of(self, address: str) -> int | None:
         return next((c.replica for c in self.chains if address in c.addresses), None)

@@ -39,6 +39,8 @@ class Worker:
 class _Entry:
     worker: Worker
     last_seen: float = field(default_factory=time.monotonic)
+    ready: bool = False  # its last readiness probe (a real one-token forward) passed
+    probed_at: float = 0.0  # when that probe ran (monotonic seconds; 0: never)
 
 
 class Registry:
@@ -57,7 +59,9 @@ class Registry:
                 f"this coordinator's model has {self.num_layers}"
             )
         old = self._entries.get(worker.address)
-        self._entries[worker.address] = _Entry(worker)
+        entry = self._entries[worker.address] = _Entry(worker)
+        if old is not None and old.worker.instance_id == worker.instance_id:
+            entry.ready, entry.probed_at = old.ready, old.probed_at  # the same process again
         if old is None or old.worker.instance_id != worker.instance_id or old.worker.state != worker.state:
             self.version += 1
 
@@ -86,6 +90,24 @@ class Registry:
 
     def workers(self) -> list[Worker]:
         return [e.worker for e in self._entries.values()]
+
+    def routable(self) -> list[Worker]:
+        """Workers whose last readiness probe passed."""
+        return [e.worker for e in self._entries.values() if e.ready]
+
+    def due_for_probe(self, *, every: float) -> list[Worker]:
+        """Workers never probed, failing their probe, or last probed more than `every` s ago."""
+        now = time.monotonic()
+        return [e.worker for e in self._entries.values() if not e.ready or now - e.probed_at > every]
+
+    def probed(self, worker: Worker, *, ready: bool) -> None:
+        entry = self._entries.get(worker.address)
+        if entry is None or entry.worker.instance_id != worker.instance_id:
+            return
+        entry.probed_at = time.monotonic()
+        if entry.ready != ready:
+            entry.ready = ready
+            self.version += 1
 
     def seconds_since(self, address: str) -> float:
         entry = self._entries.get(address)

@@ -43,6 +43,7 @@ class CoordinatorSettings:
     depth: int | None = None  # micro-batches in flight per chain; default: the chain's length
     heartbeat_interval: float = 1.0  # seconds between a worker's heartbeats
     heartbeat_expiry: float = 5.0  # a worker unheard of this long leaves routing
+    probe_interval: float = 15.0  # seconds between readiness probes (a real forward) of a worker
     grace_seconds: float = 30.0  # how long SIGTERM waits for in-flight requests
 
 
@@ -79,21 +80,33 @@ async def serve(settings: CoordinatorSettings, *, stop: asyncio.Event | None = N
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    maintenance = asyncio.create_task(_maintain(cluster))
+    maintenance = [
+        asyncio.create_task(_maintain(cluster)),
+        asyncio.create_task(_probe(cluster, every=settings.probe_interval)),
+    ]
     await stop.wait()
     log.info("stopping: no new requests; waiting up to %.0fs for %d in-flight", settings.grace_seconds,
              servicer.active)
     await health_servicer.enter_graceful_shutdown()
     await server.stop(settings.grace_seconds)
-    maintenance.cancel()
+    for task in maintenance:
+        task.cancel()
     await cluster.close()
     log.info("stopped")
 
 
 async def _maintain(cluster: Cluster) -> None:
+    """Expire silent workers and rebuild chains; never waits on a worker."""
     while True:
         cluster.refresh()
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.25)
+
+
+async def _probe(cluster: Cluster, *, every: float) -> None:
+    """Readiness probes, apart from `_maintain` so that a hung worker cannot delay it."""
+    while True:
+        await cluster.probe_workers(every=every)
+        await asyncio.sleep(0.25)
 
 
 def run_coordinator(settings: CoordinatorSettings) -> int:

@@ -173,12 +173,14 @@ class StageWorker:
         log.info("stage %s serving on %s (model id %s, pid %d)", self.layers, self.address, self.model_id, os.getpid())
         membership = asyncio.create_task(self._membership(s.coordinator)) if s.coordinator else None
         await stop.wait()
+        # Draining: NOT_SERVING first, so no new sequence comes; then leave the coordinator, which
+        # moves this stage's sequences to other chains by replay; then finish in-flight calls.
+        log.info("draining: NOT_SERVING, waiting up to %.0fs for in-flight calls", s.grace_seconds)
+        self.state = common_pb2.WORKER_STATE_DRAINING
+        await self.health.enter_graceful_shutdown()
         if membership is not None:
             membership.cancel()
-            await self._deregister(s.coordinator, "stopping (SIGTERM)")
-        log.info("stopping: NOT_SERVING, waiting up to %.0fs for in-flight calls", s.grace_seconds)
-        self.state = common_pb2.WORKER_STATE_NOT_SERVING
-        await self.health.enter_graceful_shutdown()
+            await self._deregister(s.coordinator, "draining (SIGTERM)")
         await server.stop(s.grace_seconds)
         await hops.close()
         self.servicer.compute.shutdown(wait=False)

@@ -94,3 +94,87 @@ def test_losing_the_only_worker_of_some_layers_ends_with_unavailable(real_model_
     assert all(isinstance(o, Unavailable) for o in outcomes), outcomes
     assert all("no complete chain of workers covers layers [0, 30)" in o.details for o in outcomes)
     assert elapsed < 40  # within the retry budget (10 s of waiting for a chain), none hangs
+
+
+def _cluster(real_model_dir, tmp_path, **plan):  # type: ignore[no-untyped-def]
+    cluster = LocalCluster(
+        ClusterPlan(model=str(real_model_dir), port=free_port(), log_dir=tmp_path, kv_memory="32M", **plan),
+        real_model_dir,
+    )
+    cluster.start()
+    cluster.wait_ready(timeout=180)
+    return cluster
+
+
+def test_sigstop_is_routed_around_within_the_heartbeat_timeout(real_model_dir, tmp_path):
+    import signal
+
+    cluster = _cluster(real_model_dir, tmp_path, stages=2, replicas=2)
+    try:
+        reference = asyncio.run(_streams(cluster.address, 24))
+        victim = dict(cluster.procs)["stage-r0-15-30"]
+        stopped_at: list[float] = []
+
+        def maybe_stop(stream: int, tokens: int) -> None:
+            if not stopped_at and tokens >= 4:
+                victim.send_signal(signal.SIGSTOP)
+                stopped_at.append(time.monotonic())
+
+        faulty = asyncio.run(_streams(cluster.address, 24, on_token=maybe_stop))
+        finished = time.monotonic()
+        victim.send_signal(signal.SIGCONT)
+    finally:
+        cluster.stop()
+    assert stopped_at
+    assert [f[0] for f in faulty] == [r[0] for r in reference]
+    assert finished - stopped_at[0] < 30  # heartbeat expiry is 5 s; the rest is replay and decode
+
+
+def test_sigterm_drains_a_stage_worker_under_load(real_model_dir, tmp_path):
+    import signal
+
+    cluster = _cluster(real_model_dir, tmp_path, stages=2, replicas=2)
+    try:
+        reference = asyncio.run(_streams(cluster.address, 24))
+        victim = dict(cluster.procs)["stage-r1-0-15"]
+
+        def maybe_term(stream: int, tokens: int) -> None:
+            if tokens == 6 and victim.poll() is None and not getattr(victim, "_termed", False):
+                victim._termed = True  # type: ignore[attr-defined]
+                victim.send_signal(signal.SIGTERM)
+
+        faulty = asyncio.run(_streams(cluster.address, 24, on_token=maybe_term))
+        victim.wait(30)
+    finally:
+        cluster.stop()
+    assert victim.returncode == 0  # drained and exited cleanly
+    assert [f[0] for f in faulty] == [r[0] for r in reference]  # 100% of in-flight requests complete
+
+
+def test_stage_workers_outlive_a_coordinator_restart(real_model_dir, tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from layerline.client import Client
+
+    cluster = _cluster(real_model_dir, tmp_path, stages=2)
+    try:
+        with Client(cluster.address) as client:
+            before = client.generate("The sky is", max_tokens=8, temperature=0.0).token_ids
+        coordinator = dict(cluster.procs)["coordinator"]
+        coordinator.send_signal(signal.SIGTERM)
+        assert coordinator.wait(30) == 0
+        cluster.procs.remove(("coordinator", coordinator))
+        log = (tmp_path / "coordinator-2.log").open("wb")
+        again = subprocess.Popen(
+            [sys.executable, "-m", "layerline", "coordinator", "--model", str(real_model_dir),
+             "--port", str(cluster.plan.port)], stdout=log, stderr=subprocess.STDOUT,
+        )
+        cluster.procs.append(("coordinator-2", again))
+        status = cluster.wait_ready(timeout=60)  # the workers register again by themselves
+        assert len(status.chains) == 1
+        with Client(cluster.address) as client:
+            assert client.generate("The sky is", max_tokens=8, temperature=0.0).token_ids == before
+    finally:
+        cluster.stop()
