@@ -91,3 +91,6 @@ class ClusterStatus:
     chains: list[ChainStatus]
     active_requests: int  # requests generating now
     queued_requests: int  # requests admitted and waiting for a slot
+    failovers: int = 0  # sequences moved off a chain that lost a worker, since the coordinator started
+    last_failover_gap_seconds: float = 0.0  # from a failure to the moved sequence's next token
+    max_failover_gap_seconds: float = 0.0

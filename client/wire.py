@@ -173,7 +173,10 @@ def cluster_from(response: coordinator_pb2.ClusterStatusResponse) -> ClusterStat
             )
         )
     chains = [ChainStatus(c.replica, c.model_id, list(c.addresses), c.active_sequences) for c in response.chains]
-    return ClusterStatus(workers, chains, response.active_requests, response.queued_requests)
+    return ClusterStatus(
+        workers, chains, response.active_requests, response.queued_requests, response.failovers,
+        response.last_failover_gap_seconds, response.max_failover_gap_seconds,
+    )
 
 
 # The health messages, HealthCheckRequest{string service = 1} and

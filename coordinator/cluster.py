@@ -70,6 +70,8 @@ class Cluster:
         self.registry = registry
         self.failover = failover
         self.failovers = 0  # sequences moved off a failed chain, since start
+        self.last_failover_gap = 0.0  # seconds from a failure to the moved sequence's next token
+        self.max_failover_gap = 0.0
         self.max_message_bytes = max_message_bytes
         self.token_budget = token_budget
         self.depth = depth
@@ -112,6 +114,7 @@ class Cluster:
             token_budget=self.token_budget,
             on_step_failed=lambda seqs, err: self._step_failed(holder[0], seqs, err),
             release=client.release,
+            on_failover_gap=self._failover_gap,
         )
         running = RunningChain(replica, workers, client, scheduler)
         holder.append(running)
@@ -154,6 +157,8 @@ class Cluster:
                 continue
             seq.fed, seq.in_flight = 0, False
             seq.moves += 1
+            if seq.failed_at is None:
+                seq.failed_at = time.monotonic()
             if seq.moves > self.failover.max_moves:
                 seq.on_error(UNAVAILABLE, f"gave up after {self.failover.max_moves} failovers; last cause: {reason}")
                 continue
@@ -161,6 +166,11 @@ class Cluster:
             delay = min(self.failover.backoff * 2 ** (seq.moves - 1), self.failover.max_backoff)
             deadline = time.monotonic() + self.failover.wait_for_chain
             loop.call_later(delay, self._replace, seq, reason, deadline)
+
+    def _failover_gap(self, seconds: float) -> None:
+        self.last_failover_gap = seconds
+        self.max_failover_gap = max(self.max_failover_gap, seconds)
+        log.info("failover gap: %.3fs from the failure to the next token", seconds)
 
     def _replace(self, seq: Sequence, reason: str, deadline: float) -> None:
         if seq.done or seq.sequence_id in self._where:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -38,6 +39,7 @@ class Sequence:
     in_flight: bool = False
     done: bool = False
     moves: int = 0  # times it was moved to another chain after a failure
+    failed_at: float | None = None  # when its chain failed, until its next token arrives
     trace_context: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -92,12 +94,14 @@ class ChainScheduler:
         token_budget: int = 512,
         on_step_failed: Callable[[list[Sequence], StepFailed], None],
         release: Callable[[list[str]], Awaitable[None]],
+        on_failover_gap: Callable[[float], None] = lambda seconds: None,
     ) -> None:
         self.send = send
         self.depth = max(1, depth)
         self.token_budget = token_budget
         self.on_step_failed = on_step_failed
         self.release = release
+        self.on_failover_gap = on_failover_gap
         self.sequences: dict[str, Sequence] = {}
         self.in_flight = 0
         self._wake = asyncio.Event()
@@ -201,4 +205,7 @@ class ChainScheduler:
                 seq.on_error(13, f"the chain sampled no token for sequence {seq.sequence_id}")
                 return
             seq.generated.append(outcome.token_id)
+            if seq.failed_at is not None:  # the first token after a failover
+                self.on_failover_gap(time.monotonic() - seq.failed_at)
+                seq.failed_at = None
             seq.on_token(outcome.token_id, outcome.logprob, list(outcome.top))

@@ -176,7 +176,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.cluster.refresh()
         registry = self.cluster.registry
         response = coordinator_pb2.ClusterStatusResponse(
-            active_requests=self.active, queued_requests=self.queued
+            active_requests=self.active, queued_requests=self.queued, failovers=self.cluster.failovers,
+            last_failover_gap_seconds=self.cluster.last_failover_gap,
+            max_failover_gap_seconds=self.cluster.max_failover_gap,
         )
         for w in registry.workers():
             entry = response.workers.add(

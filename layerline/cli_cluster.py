@@ -121,7 +121,9 @@ def _run_status(args: argparse.Namespace) -> int:
 
     with Client(args.target) as client, reported_as_errors(LayerlineError):
         status = client.cluster()
-    print(f"{len(status.chains)} chain(s), {status.active_requests} active, {status.queued_requests} queued")
+    print(f"{len(status.chains)} chain(s), {status.active_requests} active, {status.queued_requests} queued, "
+          f"{status.failovers} failover(s) (gap last {status.last_failover_gap_seconds:.2f}s, "
+          f"max {status.max_failover_gap_seconds:.2f}s)")
     for chain in status.chains:
         print(f"  chain {chain.replica}: {' -> '.join(chain.addresses)} ({chain.active_sequences} sequences)")
     print(f"{'address':22} {'layers':>9} {'replica':>7} {'tp':>3} {'state':12} {'pid':>7} {'kv free':>13}")

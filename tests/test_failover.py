@@ -56,6 +56,10 @@ def test_sigkill_of_a_stage_worker_loses_no_token(real_model_dir, tmp_path):
                 killed_at.append(time.monotonic())
 
         faulty = asyncio.run(_streams(cluster.address, 48, on_token=maybe_kill))
+        from layerline.client import Client
+
+        with Client(cluster.address) as client:
+            status = client.cluster()
     finally:
         cluster.stop()
     assert killed_at, "the worker was never killed"
@@ -66,6 +70,10 @@ def test_sigkill_of_a_stage_worker_loses_no_token(real_model_dir, tmp_path):
     assert all(f[2] == r[2] for f, r in zip(faulty, reference))
     others = [p.returncode for n, p in cluster.procs if p is not victim]
     assert others == [0] * len(others)
+    # Only the broken chain's sequences moved (at most its 8 of the 16), each once; gap measured.
+    assert 1 <= status.failovers <= 8, status
+    assert 0 < status.last_failover_gap_seconds <= status.max_failover_gap_seconds < 30
+    print(f"failover gap: max {status.max_failover_gap_seconds:.3f}s over {status.failovers} moves")
 
 
 def test_losing_the_only_worker_of_some_layers_ends_with_unavailable(real_model_dir, tmp_path):

@@ -124,16 +124,22 @@ class Chain(_message.Message):
     def __init__(self, replica: _Optional[int] = ..., model_id: _Optional[str] = ..., addresses: _Optional[_Iterable[str]] = ..., active_sequences: _Optional[int] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("workers", "chains", "active_requests", "queued_requests")
+    __slots__ = ("workers", "chains", "active_requests", "queued_requests", "failovers", "last_failover_gap_seconds", "max_failover_gap_seconds")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     CHAINS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    FAILOVERS_FIELD_NUMBER: _ClassVar[int]
+    LAST_FAILOVER_GAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_FAILOVER_GAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[ClusterWorker]
     chains: _containers.RepeatedCompositeFieldContainer[Chain]
     active_requests: int
     queued_requests: int
-    def __init__(self, workers: _Optional[_Iterable[_Union[ClusterWorker, _Mapping]]] = ..., chains: _Optional[_Iterable[_Union[Chain, _Mapping]]] = ..., active_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ...) -> None: ...
+    failovers: int
+    last_failover_gap_seconds: float
+    max_failover_gap_seconds: float
+    def __init__(self, workers: _Optional[_Iterable[_Union[ClusterWorker, _Mapping]]] = ..., chains: _Optional[_Iterable[_Union[Chain, _Mapping]]] = ..., active_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., failovers: _Optional[int] = ..., last_failover_gap_seconds: _Optional[float] = ..., max_failover_gap_seconds: _Optional[float] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("worker",)
