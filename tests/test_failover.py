@@ -186,3 +186,29 @@ def test_stage_workers_outlive_a_coordinator_restart(real_model_dir, tmp_path):
             assert client.generate("The sky is", max_tokens=8, temperature=0.0).token_ids == before
     finally:
         cluster.stop()
+
+
+def test_a_second_kill_during_the_replay_still_loses_no_token(real_model_dir, tmp_path):
+    import threading
+
+    cluster = _cluster(real_model_dir, tmp_path, stages=2, replicas=3)
+    try:
+        reference = asyncio.run(_streams(cluster.address, 32))
+        procs = dict(cluster.procs)
+        first, second = procs["stage-r0-15-30"], procs["stage-r1-0-15"]
+        killed: list[str] = []
+
+        def maybe_kill(stream: int, tokens: int) -> None:
+            if not killed and tokens >= 6:
+                first.kill()
+                killed.append("first")
+                # the moved sequences back off 0.1 s, then replay their history as a prefill
+                threading.Timer(0.25, lambda: (second.kill(), killed.append("second"))).start()
+
+        faulty = asyncio.run(_streams(cluster.address, 32, on_token=maybe_kill))
+    finally:
+        cluster.stop()
+    assert killed == ["first", "second"]
+    assert (first.returncode, second.returncode) == (-9, -9)
+    assert [f[0] for f in faulty] == [r[0] for r in reference]
+    assert [f[1] for f in faulty] == [r[1] for r in reference]
