@@ -132,16 +132,30 @@ def _expected_shape(config: ModelConfig, param: str) -> tuple[int, ...]:
 
 
 def _fused(state: dict[str, torch.Tensor], layers: LayerRange) -> dict[str, torch.Tensor]:
-    """Concatenate q, k, v into qkv_proj and gate, up into gate_up_proj (rows stacked)."""
+    """The checkpoint's tensors in the model's layout.
+
+    q, k, v become one qkv_proj and gate, up one gate_up_proj (rows stacked); the weights of
+    `TransposedLinear` modules (qkv, o, gate_up, LM head) are stored transposed, [in, out].
+    """
+
+    def transposed(w: torch.Tensor) -> torch.Tensor:
+        return w.t().contiguous()  # [out, in] -> [in, out]
+
     for i in layers:
-        for kind in ("weight", "bias"):
-            attn, mlp = f"layers.{i}.self_attn", f"layers.{i}.mlp"
-            parts = [state.pop(f"{attn}.{p}_proj.{kind}", None) for p in "qkv"]
-            if parts[0] is not None:
-                state[f"{attn}.qkv_proj.{kind}"] = torch.cat(parts)  # type: ignore[arg-type]
-            parts = [state.pop(f"{mlp}.{p}_proj.{kind}", None) for p in ("gate", "up")]
-            if parts[0] is not None:
-                state[f"{mlp}.gate_up_proj.{kind}"] = torch.cat(parts)  # type: ignore[arg-type]
+        attn, mlp = f"layers.{i}.self_attn", f"layers.{i}.mlp"
+        state[f"{attn}.qkv_proj.weight_t"] = transposed(torch.cat([state.pop(f"{attn}.{p}_proj.weight") for p in "qkv"]))
+        state[f"{attn}.o_proj.weight_t"] = transposed(state.pop(f"{attn}.o_proj.weight"))
+        state[f"{mlp}.gate_up_proj.weight_t"] = transposed(
+            torch.cat([state.pop(f"{mlp}.{p}_proj.weight") for p in ("gate", "up")])
+        )
+        biases = [state.pop(f"{attn}.{p}_proj.bias", None) for p in "qkv"]
+        if biases[0] is not None:
+            state[f"{attn}.qkv_proj.bias"] = torch.cat(biases)  # type: ignore[arg-type]
+        biases = [state.pop(f"{mlp}.{p}_proj.bias", None) for p in ("gate", "up")]
+        if biases[0] is not None:
+            state[f"{mlp}.gate_up_proj.bias"] = torch.cat(biases)  # type: ignore[arg-type]
+    if "lm_head.weight" in state:
+        state["lm_head.weight_t"] = transposed(state.pop("lm_head.weight"))
     return state
 
 
