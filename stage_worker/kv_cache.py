@@ -77,11 +77,12 @@ class StepLayout:
     """Where one micro-batch's tokens live in the cache, computed once per step."""
 
     seq_lens: tuple[int, ...]  # new tokens of each sequence, in packed order
+    block_size: int  # token slots per KV block
     positions: torch.Tensor  # [T] absolute position of every new token
     write_slots: torch.Tensor  # [T] cache slot each new token's K and V are written to
     decode_rows: torch.Tensor  # [D] rows of single-token sequences, batched together
-    decode_slots: torch.Tensor  # [D, Lmax] their context slots, padded
-    decode_mask: torch.Tensor  # [D, 1, 1, Lmax] bool, True for real (and in-window) slots
+    decode_blocks: torch.Tensor  # [D, Bmax] their block tables, padded (whole blocks are gathered)
+    decode_mask: torch.Tensor  # [D, 1, 1, Bmax * block_size] bool, True for the positions they hold
     prefills: tuple[PrefillSpan, ...]  # every other sequence, one attention call each
 
     @property
@@ -171,36 +172,39 @@ class PagedKVCache:
         positions: list[int] = []
         write: list[int] = []
         decode_rows: list[int] = []
-        decode_ctx: list[list[int]] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
         prefills: list[PrefillSpan] = []
         row = 0
         for seq, n in zip(sequence_ids, seq_lens, strict=True):
             start = self._lengths[seq]
             table = self._tables[seq]
             end = start + n
-            slots = [table[p // block] * block + p % block for p in range(end)]
             positions.extend(range(start, end))
-            write.extend(slots[start:])
+            write.extend(table[p // block] * block + p % block for p in range(start, end))
             windowed = sliding_window is not None and end > sliding_window
             if n == 1 and not windowed:
                 decode_rows.append(row)
-                decode_ctx.append(slots)
+                decode_tables.append(table[: -(-end // block)])
+                decode_lens.append(end)
             else:
+                slots = [table[p // block] * block + p % block for p in range(end)]
                 prefills.append(_prefill_span(row, start, end, slots, sliding_window))
             self._lengths[seq] = end
             row += n
-        width = max((len(s) for s in decode_ctx), default=0)
-        padded = torch.zeros(len(decode_ctx), width, dtype=torch.long)
-        mask = torch.zeros(len(decode_ctx), 1, 1, width, dtype=torch.bool)
-        for i, s in enumerate(decode_ctx):
-            padded[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-            mask[i, 0, 0, : len(s)] = True
+        width = max((len(t) for t in decode_tables), default=0)
+        padded = torch.zeros(len(decode_tables), width, dtype=torch.long)
+        for i, t in enumerate(decode_tables):
+            padded[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        lens = torch.tensor(decode_lens, dtype=torch.long)
+        mask = (torch.arange(width * block) < lens[:, None])[:, None, None, :]  # [D, 1, 1, L]
         return StepLayout(
             seq_lens=tuple(seq_lens),
+            block_size=block,
             positions=torch.tensor(positions, dtype=torch.long),
             write_slots=torch.tensor(write, dtype=torch.long, device=self.device),
             decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=self.device),
-            decode_slots=padded.to(self.device),
+            decode_blocks=padded.to(self.device),
             decode_mask=mask.to(self.device),
             prefills=tuple(prefills),
         )

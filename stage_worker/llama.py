@@ -105,8 +105,8 @@ class Attention(nn.Module):
         out = torch.empty_like(q)  # [T, h, d]
         if layout.decode_rows.numel():
             qd = q[layout.decode_rows].unsqueeze(2)  # [D, h, 1, d]
-            kd = k_pool[layout.decode_slots].transpose(1, 2)  # [D, kvh, Lmax, d]
-            vd = v_pool[layout.decode_slots].transpose(1, 2)  # [D, kvh, Lmax, d]
+            kd = _gather_blocks(k_pool, layout.decode_blocks, layout.block_size)  # [D, kvh, L, d]
+            vd = _gather_blocks(v_pool, layout.decode_blocks, layout.block_size)
             od = self._sdpa(qd, kd, vd, mask=layout.decode_mask, causal=False)  # [D, h, 1, d]
             out[layout.decode_rows] = od.squeeze(2)
         for span in layout.prefills:
@@ -136,6 +136,14 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.num_heads != self.num_kv_heads
         )
+
+
+def _gather_blocks(pool: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Whole KV blocks of each sequence from a [slots, kvh, d] pool: [D, kvh, B * block_size, d]."""
+    n_seqs, n_blocks = blocks.shape
+    _, kvh, d = pool.shape
+    gathered = pool.view(-1, block_size, kvh, d)[blocks]  # [D, B, block_size, kvh, d]
+    return gathered.view(n_seqs, n_blocks * block_size, kvh, d).transpose(1, 2)
 
 
 class MLP(nn.Module):
