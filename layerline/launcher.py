@@ -39,15 +39,32 @@ class ClusterPlan:
     threads: int | None = None  # torch threads per stage worker; default: the cores shared out
 
 
-def split_layers(num_layers: int, stages: int) -> list[tuple[int, int]]:
-    """Even half-open ranges; the first ranges take one layer more when it does not divide."""
+def split_layers(num_layers: int, stages: int, *, head_weight: float = 0.0) -> list[tuple[int, int]]:
+    """Half-open ranges of about equal work.
+
+    The last stage also runs the LM head, which costs as much as `head_weight` layers, so it
+    takes that many layers fewer; with no head weight the split is even. A chain runs at the
+    pace of its slowest stage, so equal work is what keeps every stage busy.
+    """
     if not 1 <= stages <= num_layers:
         raise ValueError(f"--stages {stages} must be between 1 and the model's {num_layers} layers")
-    base, extra = divmod(num_layers, stages)
+    share = (num_layers + head_weight) / stages
     bounds = [0]
-    for i in range(stages):
-        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+    for i in range(1, stages):
+        cut = int(i * share + 0.5)
+        bounds.append(max(bounds[-1] + 1, min(cut, num_layers - (stages - i))))
+    bounds.append(num_layers)
     return list(zip(bounds, bounds[1:]))
+
+
+def head_weight(config: dict) -> float:
+    """How many decoder layers' worth of weights the LM head is (the work of a decode step)."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    kv_heads = config.get("num_key_value_heads", heads)
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, o and k, v
+    return config["vocab_size"] * hidden / (attention + 3 * hidden * inter)
 
 
 def _free_port(host: str) -> int:
@@ -61,8 +78,10 @@ class LocalCluster:
         self.plan = plan
         self.checkpoint = checkpoint
         self.address = f"{plan.host}:{plan.port}"
-        num_layers = json.loads((checkpoint / "config.json").read_text())["num_hidden_layers"]
-        self.ranges = list(plan.layer_ranges) if plan.layer_ranges else split_layers(num_layers, plan.stages)
+        config = json.loads((checkpoint / "config.json").read_text())
+        self.ranges = list(plan.layer_ranges) if plan.layer_ranges else split_layers(
+            config["num_hidden_layers"], plan.stages, head_weight=head_weight(config)
+        )
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
         self.log_dir = plan.log_dir or Path(os.environ.get("TMPDIR", "/tmp")) / f"layerline-{os.getpid()}"
         self.log_dir.mkdir(parents=True, exist_ok=True)

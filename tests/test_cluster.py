@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from layerline.client import AsyncClient, Client
-from layerline.launcher import ClusterPlan, LocalCluster, split_layers
+from layerline.launcher import ClusterPlan, LocalCluster, head_weight, split_layers
 
 from .stage_client import free_port
 
@@ -30,9 +30,17 @@ def cluster(real_model_dir, tmp_path_factory):
     assert [p.returncode for _, p in local.procs] == [0, 0, 0]
 
 
-def test_split_layers_is_even_and_half_open():
+def test_split_layers_balances_the_work_and_is_half_open(real_model_dir):
+    import json
+
     assert split_layers(30, 2) == [(0, 15), (15, 30)]
-    assert split_layers(30, 4) == [(0, 8), (8, 16), (16, 23), (23, 30)]
+    assert split_layers(30, 4) == [(0, 8), (8, 15), (15, 23), (23, 30)]
+    # SmolLM2's LM head (49152 x 576) weighs 8 of its layers: the last stage takes 8 fewer.
+    weight = head_weight(json.loads((real_model_dir / "config.json").read_text()))
+    assert round(weight, 2) == 8.0
+    assert split_layers(30, 2, head_weight=weight) == [(0, 19), (19, 30)]
+    assert split_layers(30, 3, head_weight=weight) == [(0, 13), (13, 25), (25, 30)]
+    assert split_layers(4, 3, head_weight=100) == [(0, 2), (2, 3), (3, 4)]  # every stage keeps a layer
     with pytest.raises(ValueError, match="--stages 31"):
         split_layers(30, 31)
 
@@ -192,7 +200,7 @@ def test_cluster_status_lists_workers_and_the_chain(cluster):
         status = client.cluster()
         assert client.health() == "SERVING"
         models = client.models()
-    assert sorted(w.layers for w in status.workers) == [(0, 15), (15, 30)]
+    assert sorted(w.layers for w in status.workers) == [(0, 19), (19, 30)]
     assert all(w.state == "SERVING" and w.replica == 0 for w in status.workers)
     assert len(status.chains) == 1 and len(status.chains[0].addresses) == 2
     assert [(m.num_layers, m.ready_replicas) for m in models] == [(30, 1)]

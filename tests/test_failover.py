@@ -82,7 +82,7 @@ def test_losing_the_only_worker_of_some_layers_ends_with_unavailable(real_model_
     cluster.start()
     try:
         cluster.wait_ready(timeout=180)
-        victim = dict(cluster.procs)["stage-r0-15-30"]
+        victim = _stage(cluster, replica=0, last=True)
 
         async def run() -> list[BaseException | tuple]:
             async with AsyncClient(cluster.address) as client:
@@ -104,6 +104,12 @@ def test_losing_the_only_worker_of_some_layers_ends_with_unavailable(real_model_
     assert elapsed < 40  # within the retry budget (10 s of waiting for a chain), none hangs
 
 
+def _stage(cluster: LocalCluster, *, replica: int, last: bool):  # type: ignore[no-untyped-def]
+    """The process of a replica's first or last stage worker."""
+    start, end = cluster.ranges[-1 if last else 0]
+    return dict(cluster.procs)[f"stage-r{replica}-{start}-{end}"]
+
+
 def _cluster(real_model_dir, tmp_path, **plan):  # type: ignore[no-untyped-def]
     cluster = LocalCluster(
         ClusterPlan(model=str(real_model_dir), port=free_port(), log_dir=tmp_path, kv_memory="32M", **plan),
@@ -120,7 +126,7 @@ def test_sigstop_is_routed_around_within_the_heartbeat_timeout(real_model_dir, t
     cluster = _cluster(real_model_dir, tmp_path, stages=2, replicas=2)
     try:
         reference = asyncio.run(_streams(cluster.address, 24))
-        victim = dict(cluster.procs)["stage-r0-15-30"]
+        victim = _stage(cluster, replica=0, last=True)
         stopped_at: list[float] = []
 
         def maybe_stop(stream: int, tokens: int) -> None:
@@ -144,7 +150,7 @@ def test_sigterm_drains_a_stage_worker_under_load(real_model_dir, tmp_path):
     cluster = _cluster(real_model_dir, tmp_path, stages=2, replicas=2)
     try:
         reference = asyncio.run(_streams(cluster.address, 24))
-        victim = dict(cluster.procs)["stage-r1-0-15"]
+        victim = _stage(cluster, replica=1, last=False)
 
         def maybe_term(stream: int, tokens: int) -> None:
             if tokens == 6 and victim.poll() is None and not getattr(victim, "_termed", False):
@@ -194,8 +200,7 @@ def test_a_second_kill_during_the_replay_still_loses_no_token(real_model_dir, tm
     cluster = _cluster(real_model_dir, tmp_path, stages=2, replicas=3)
     try:
         reference = asyncio.run(_streams(cluster.address, 32))
-        procs = dict(cluster.procs)
-        first, second = procs["stage-r0-15-30"], procs["stage-r1-0-15"]
+        first, second = _stage(cluster, replica=0, last=True), _stage(cluster, replica=1, last=False)
         killed: list[str] = []
 
         def maybe_kill(stream: int, tokens: int) -> None:
