@@ -9,16 +9,20 @@ from pathlib import Path
 from .cli_support import CommandError, HelpFormatter, Subcommands, reported_as_errors
 
 
-def _cluster_flags(p: argparse.ArgumentParser) -> None:
+def _model_flags(p: argparse.ArgumentParser) -> None:
     from layerline.model_store import DEFAULT_MODEL
 
     p.add_argument("--model", default=DEFAULT_MODEL, metavar="M",
                    help=f"checkpoint directory or known name (default: {DEFAULT_MODEL})")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="dtype of weights and activations (default: float32)")
+
+
+def _cluster_flags(p: argparse.ArgumentParser) -> None:
+    _model_flags(p)
     p.add_argument("--stages", type=int, default=2, metavar="P", help="pipeline stages per chain (default: 2)")
     p.add_argument("--replicas", type=int, default=1, metavar="R", help="chains side by side (default: 1)")
     p.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel ranks per stage (default: 1)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                   help="dtype of weights and activations (default: float32)")
     p.add_argument("--port", type=int, default=7070, metavar="P", help="coordinator port (default: 7070)")
     p.add_argument("--kv-memory", default="256M", metavar="SIZE", help="KV pool per stage worker (default: 256M)")
 
@@ -191,12 +195,7 @@ def add_cluster_commands(commands: Subcommands) -> None:
                     "DESIGN.md's budget. Needs transformers (the test extra).",
         formatter_class=HelpFormatter,
     )
-    from layerline.model_store import DEFAULT_MODEL
-
-    bench.add_argument("--model", default=DEFAULT_MODEL, metavar="M",
-                       help=f"checkpoint directory or known name (default: {DEFAULT_MODEL})")
-    bench.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                       help="dtype for both sides (default: float32)")
+    _model_flags(bench)
     bench.add_argument("--new-tokens", type=int, default=64, metavar="N", help="tokens per stream (default: 64)")
     bench.add_argument("--rounds", type=int, default=3, metavar="N",
                        help="interleaved rounds; the median of each figure is kept (default: 3)")
