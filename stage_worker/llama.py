@@ -17,6 +17,7 @@ from torch import nn
 
 from .kv_cache import PagedKVCache, StepLayout
 from .model_config import LayerRange, ModelConfig, RopeConfig
+from .parallel import Shards, TensorParallel, shards_for
 
 
 class RMSNorm(nn.Module):
@@ -74,9 +75,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, *, num_heads: int, num_kv_heads: int) -> None:
+    """qkv is column-parallel (this rank's heads), o is row-parallel (all-reduced)."""
+
+    def __init__(self, config: ModelConfig, *, num_heads: int, num_kv_heads: int, tp: TensorParallel) -> None:
         super().__init__()
         # num_heads / num_kv_heads are the heads held here (per rank under tensor parallelism).
+        self.tp = tp
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = config.head_dim
@@ -122,7 +126,7 @@ class Attention(nn.Module):
                 mask = span.mask.to(k_pool.device)[None, None]  # [1, 1, n, L]
                 op = self._sdpa(qp, kp, vp, mask=mask, causal=False)
             out[span.rows] = op.squeeze(0).transpose(0, 1)  # [n, h, d]
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return self.tp.all_reduce(self.o_proj(out.reshape(t, self.num_heads * self.head_dim)))
 
     def _sdpa(
         self,
@@ -147,8 +151,11 @@ def _gather_blocks(pool: torch.Tensor, blocks: torch.Tensor, block_size: int) ->
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, *, intermediate_size: int) -> None:
+    """gate_up is column-parallel (this rank's slice of the width), down is row-parallel."""
+
+    def __init__(self, config: ModelConfig, *, intermediate_size: int, tp: TensorParallel) -> None:
         super().__init__()
+        self.tp = tp
         hidden, bias = config.hidden_size, config.mlp_bias
         # gate and up in one matmul: rows [gate | up], fused at load time (see weights.py).
         self.gate_up_proj = TransposedLinear(hidden, 2 * intermediate_size, bias=bias)
@@ -156,15 +163,15 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each [T, intermediate]
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, *, layer_id: int) -> None:
+    def __init__(self, config: ModelConfig, *, layer_id: int, shards: Shards, tp: TensorParallel) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.self_attn = Attention(config, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads)
-        self.mlp = MLP(config, intermediate_size=config.intermediate_size)
+        self.self_attn = Attention(config, num_heads=shards.num_heads, num_kv_heads=shards.num_kv_heads, tp=tp)
+        self.mlp = MLP(config, intermediate_size=shards.intermediate, tp=tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -189,21 +196,48 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class StageModel(nn.Module):
-    """Layers `[start, end)` of a Llama-family model, with embedding and head where owned."""
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows [start, start + rows) of the embedding; other ids embed to zero, summed over ranks."""
 
-    def __init__(self, config: ModelConfig, layers: LayerRange) -> None:
+    def __init__(self, rows: int, hidden: int, *, start: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, hidden))
+        self.start = start
+        self.tp = tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.weight.shape[0])  # [T]
+        x = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * mine[:, None]
+        return self.tp.all_reduce(x)  # [T, hidden]
+
+
+class StageModel(nn.Module):
+    """Layers `[start, end)` of a Llama-family model, with embedding and head where owned.
+
+    Under tensor parallelism each rank builds the same model with its own shards (`tp`), and
+    every rank runs every step; the LM head's logits are gathered so each rank has them all.
+    """
+
+    def __init__(self, config: ModelConfig, layers: LayerRange, *, tp: TensorParallel = TensorParallel()) -> None:
         super().__init__()
         layers.check(config.num_layers)
         self.config = config
         self.layer_range = layers
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if layers.is_first else None
+        self.tp = tp
+        self.shards = shards = shards_for(config, tp)
+        self.embed_tokens = (
+            VocabParallelEmbedding(shards.vocab_per_rank, config.hidden_size, start=shards.vocab_start, tp=tp)
+            if layers.is_first else None
+        )
         self.layers = nn.ModuleDict(
-            {str(i): DecoderLayer(config, layer_id=i) for i in layers}
+            {str(i): DecoderLayer(config, layer_id=i, shards=shards, tp=tp) for i in layers}
         )
         last = layers.is_last(config.num_layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else None
-        self.lm_head = TransposedLinear(config.hidden_size, config.vocab_size, bias=False) if last else None
+        self.lm_head = TransposedLinear(config.hidden_size, shards.vocab_per_rank, bias=False) if last else None
         self.register_buffer("inv_freq", rope_inv_freq(config.rope, config.head_dim), persistent=False)
 
     @property
@@ -242,4 +276,5 @@ class StageModel(nn.Module):
             return x
         if logit_rows is not None:
             x = x[logit_rows]
-        return self.lm_head(self.norm(x)).float()  # [R, vocab]
+        logits = self.tp.all_gather(self.lm_head(self.norm(x)))  # [R, vocab padded to a multiple of tp]
+        return logits[:, : self.config.vocab_size].float()  # [R, vocab]

@@ -16,10 +16,12 @@ import struct
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 
 from .llama import StageModel, rope_inv_freq
 from .model_config import ConfigError, LayerRange, ModelConfig
+from .parallel import Shards, TensorParallel
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -36,20 +38,35 @@ class CheckpointReader:
         self.root = Path(checkpoint)
         self.files = _tensor_files(self.root)  # tensor name -> file name
         self.read: list[str] = []  # names of the tensors read so far, in order
+        self.slices: list[tuple[str, int, int, int]] = []  # (name, dim, start, end) of sliced reads
         self._handles: dict[str, object] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
 
-    def get(self, name: str) -> torch.Tensor:
+    def _handle(self, name: str):  # type: ignore[no-untyped-def]
         file = self.files.get(name)
         if file is None:
             raise CheckpointError(f"checkpoint {self.root} has no tensor {name!r}")
         handle = self._handles.get(file)
         if handle is None:
             handle = self._handles[file] = safe_open(str(self.root / file), framework="pt")
+        return handle
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The stored shape, from the file's header, without reading the data."""
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def get(self, name: str, piece: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """The whole tensor, or only rows (dim 0) or columns (dim 1) [start, end) of it."""
+        handle = self._handle(name)
         self.read.append(name)
-        return handle.get_tensor(name)  # type: ignore[attr-defined]
+        if piece is None:
+            return handle.get_tensor(name)
+        dim, start, end = piece
+        self.slices.append((name, dim, start, end))
+        stored = handle.get_slice(name)
+        return stored[start:end] if dim == 0 else stored[:, start:end]
 
 
 def owned_tensor_names(config: ModelConfig, layers: LayerRange) -> dict[str, str]:
@@ -86,14 +103,19 @@ def load_stage(
     device: torch.device | str = "cpu",
     config: ModelConfig | None = None,
     reader: CheckpointReader | None = None,
+    tp: TensorParallel = TensorParallel(),
 ) -> StageModel:
-    """Build the `StageModel` of `layers`, reading only the tensors it owns."""
+    """Build the `StageModel` of `layers`, reading only the tensors it owns.
+
+    Under tensor parallelism (`tp.size > 1`) each rank reads only its own slice of each tensor
+    (sliced reads from the file, never the whole tensor then cut).
+    """
     config = config or ModelConfig.from_checkpoint(checkpoint)
     layers.check(config.num_layers)
     reader = reader or CheckpointReader(checkpoint)
     with torch.device("meta"):
-        model = StageModel(config, layers)
-    loaded: dict[str, torch.Tensor] = {}  # checkpoint name -> tensor, so a tied head is shared
+        model = StageModel(config, layers, tp=tp)
+    loaded: dict[tuple[str, object], torch.Tensor] = {}  # (name, piece) -> tensor: a tied head is shared
     state: dict[str, torch.Tensor] = {}
     for param, source in owned_tensor_names(config, layers).items():
         if param == "lm_head.weight" and source not in reader:
@@ -103,19 +125,50 @@ def load_stage(
                     "does not tie word embeddings"
                 )
             source = "model.embed_tokens.weight"
-        if source not in loaded:
-            tensor = reader.get(source)
-            expected = _expected_shape(config, param)
-            if tuple(tensor.shape) != expected:
+        expected = _expected_shape(config, param)
+        piece = _piece(config, model.shards, tp, param)
+        if piece == "zeros":  # a row-parallel bias: added once, by rank 0
+            state[param] = torch.zeros(expected, device=device, dtype=dtype)
+            continue
+        if (source, piece) not in loaded:
+            if reader.shape(source) != expected:
                 raise CheckpointError(
-                    f"checkpoint tensor {source!r} has shape {tuple(tensor.shape)}, "
+                    f"checkpoint tensor {source!r} has shape {reader.shape(source)}, "
                     f"the config needs {expected}"
                 )
-            loaded[source] = tensor.to(device=device, dtype=dtype)
-        state[param] = loaded[source]
+            tensor = reader.get(source, piece)  # type: ignore[arg-type]
+            if param in ("embed_tokens.weight", "lm_head.weight"):  # pad the vocabulary rows
+                tensor = F.pad(tensor, (0, 0, 0, model.shards.vocab_per_rank - tensor.shape[0]))
+            loaded[(source, piece)] = tensor.to(device=device, dtype=dtype)
+        state[param] = loaded[(source, piece)]
     model.load_state_dict(_fused(state, layers), strict=True, assign=True)
     model.inv_freq = rope_inv_freq(config.rope, config.head_dim).to(device)
     return model.eval()
+
+
+def _piece(
+    config: ModelConfig, shards: Shards, tp: TensorParallel, param: str
+) -> tuple[int, int, int] | None | str:
+    """This rank's (dim, start, end) of a checkpoint tensor; None for all of it; "zeros"."""
+    if tp.size == 1:
+        return None
+    module, _, what = param.rpartition(".")
+    kind = module.rpartition(".")[2]
+    d, inter = config.head_dim, shards.intermediate
+    heads = (shards.head_start * d, (shards.head_start + shards.num_heads) * d)
+    kv = (shards.kv_head_start * d, (shards.kv_head_start + shards.num_kv_heads) * d)
+    width = (tp.rank * inter, (tp.rank + 1) * inter)
+    vocab = (min(shards.vocab_start, config.vocab_size), min(shards.vocab_start + shards.vocab_per_rank, config.vocab_size))
+    column = {"q_proj": heads, "k_proj": kv, "v_proj": kv, "gate_proj": width, "up_proj": width,
+              "embed_tokens": vocab, "lm_head": vocab}  # rows of the [out, in] tensor
+    row = {"o_proj": heads, "down_proj": width}  # columns of the [out, in] tensor
+    if kind in column:
+        return (0, *column[kind])
+    if kind in row:
+        if what == "bias":
+            return None if tp.rank == 0 else "zeros"
+        return (1, *row[kind])
+    return None  # the norms: every rank holds all of them
 
 
 def _expected_shape(config: ModelConfig, param: str) -> tuple[int, ...]:

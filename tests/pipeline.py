@@ -12,7 +12,7 @@ from layerline.stage_worker.llama import StageModel
 
 def cache_for(stage: StageModel, *, num_blocks: int = 64, block_size: int = 8) -> PagedKVCache:
     cfg = stage.config
-    shape = CacheShape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    shape = CacheShape(num_blocks, block_size, stage.shards.num_kv_heads, cfg.head_dim)
     dtype = next(stage.parameters()).dtype
     return PagedKVCache(shape, layer_ids=stage.layer_range, dtype=dtype)
 

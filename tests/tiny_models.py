@@ -30,6 +30,11 @@ FAMILIES = {
     # Qwen2: q/k/v bias, tied embeddings.
     "qwen2": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2,
                   tie_word_embeddings=True),
+    # For tensor parallelism at tp 2 and 3: 6 heads, 1 KV head (replicated on every rank).
+    "tp_mqa": dict(model_type="llama", num_attention_heads=6, num_key_value_heads=1, intermediate_size=96),
+    # 6 heads, 3 KV heads, q/k/v bias, tied embeddings: tp 3 gives each rank one KV head.
+    "tp_gqa": dict(model_type="qwen2", num_attention_heads=6, num_key_value_heads=3, intermediate_size=96,
+                   tie_word_embeddings=True),
     # SmolLM2 shape: Llama with GQA 3:1 and tied embeddings.
     "smollm2": dict(model_type="llama", num_attention_heads=6, num_key_value_heads=2,
                     tie_word_embeddings=True, rope_theta=100000.0),
@@ -53,11 +58,11 @@ def make_tiny_checkpoint(
     model_type = spec.pop("model_type")
     if spec.get("head_dim") is None:
         spec["head_dim"] = hidden_size // spec["num_attention_heads"]
+    spec.setdefault("intermediate_size", 2 * hidden_size + 8)
     config = AutoConfig.for_model(
         model_type,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size + 8,
         num_hidden_layers=num_layers,
         max_position_embeddings=256,
         bos_token_id=1,
