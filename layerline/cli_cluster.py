@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .cli_support import CommandError, HelpFormatter, Subcommands, reported_as_errors
+from .cli_support import HelpFormatter, Subcommands, reported_as_errors
 
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
@@ -31,14 +31,12 @@ def _start_cluster(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from layerline.launcher import ClusterPlan, LocalCluster
     from layerline.model_store import ModelStoreError, resolve_model
 
-    if args.tp != 1:
-        raise CommandError("--tp > 1 (tensor parallelism inside a stage) is not available yet")
     with reported_as_errors(ModelStoreError, ValueError):
         checkpoint = resolve_model(args.model)
         plan = ClusterPlan(model=str(checkpoint), stages=args.stages, replicas=args.replicas, tp=args.tp,
                            dtype=args.dtype, port=args.port, kv_memory=args.kv_memory)
         cluster = LocalCluster(plan, checkpoint)  # checks the split before anything starts
-    print(f"starting {args.replicas} x {args.stages} stage workers and a coordinator "
+    print(f"starting {args.replicas} x {args.stages} stage workers of {args.tp} rank(s) and a coordinator "
           f"(logs in {cluster.log_dir}) ...", file=sys.stderr, flush=True)
     cluster.start()
     try:

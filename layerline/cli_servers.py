@@ -34,9 +34,24 @@ def _run_stage(args: argparse.Namespace) -> int:
         kv_block_size=args.kv_block_size,
         max_message_bytes=max_message,
         threads=args.threads,
+        tp=args.tp,
+        tp_timeout=args.tp_timeout,
+        tp_rank=args.tp_rank,
+        tp_master=args.tp_master,
+        stage_args=_follower_args(args),
     )
     with reported_as_errors(ConfigError, CheckpointError, ModelStoreError, ValueError, OSError):
         return run_stage(settings)
+
+
+def _follower_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The arguments rank 0 starts its other tensor-parallel ranks with."""
+    out = ["--model", args.model, "--layers", args.layers, "--dtype", args.dtype, "--device", args.device,
+           "--kv-memory", args.kv_memory, "--kv-block-size", str(args.kv_block_size), "--tp", str(args.tp),
+           "--tp-timeout", str(args.tp_timeout)]
+    if args.threads:
+        out += ["--threads", str(args.threads)]
+    return tuple(out)
 
 
 def add_stage_commands(commands: Subcommands) -> None:
@@ -71,7 +86,15 @@ def add_stage_commands(commands: Subcommands) -> None:
     stage.add_argument("--max-message-size", default="64M", metavar="SIZE",
                        help="gRPC message limit; larger hidden states travel in chunks (default: 64M)")
     stage.add_argument("--threads", type=int, metavar="N",
-                       help="torch CPU threads (default: all cores)")
+                       help="torch CPU threads per rank (default: all cores)")
+    stage.add_argument("--tp", type=int, default=1, metavar="T",
+                       help="tensor-parallel ranks on this node, one process each; NCCL on CUDA, gloo "
+                            "on CPU (default: 1)")
+    stage.add_argument("--tp-timeout", type=float, default=10.0, metavar="S",
+                       help="a rank that dies or hangs fails the whole stage within about S seconds "
+                            "(default: 10)")
+    stage.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)
+    stage.add_argument("--tp-master", help=argparse.SUPPRESS)
     stage.set_defaults(handler=_run_stage)
 
 

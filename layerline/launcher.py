@@ -97,7 +97,7 @@ class LocalCluster:
     def start(self) -> None:
         p = self.plan
         workers = len(self.ranges) * p.replicas
-        threads = p.threads or max(1, (os.cpu_count() or 1) // workers)
+        threads = p.threads or max(1, (os.cpu_count() or 1) // (workers * p.tp))
         self._spawn("coordinator", ["coordinator", "--model", str(self.checkpoint), "--host", p.host,
                                     "--port", str(p.port), *p.coordinator_args], {})
         for r in range(p.replicas):

@@ -138,7 +138,7 @@ class StageEngine:
         if not out.kept:
             return out
         if self.is_first:
-            inputs = torch.tensor([t for s in out.kept for t in s.token_ids], dtype=torch.long)
+            inputs = torch.tensor([t for s in out.kept for t in s.token_ids], dtype=torch.long, device=self.cache.device)
         else:
             assert hidden is not None
             inputs = hidden[torch.cat(rows)] if len(out.kept) < len(seqs) else hidden

@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import time
 import uuid
 from dataclasses import dataclass
@@ -29,7 +30,10 @@ from layerline.protos.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grp
 from layerline.rpc import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 
 from .codec import CodecLimits, dtype_to_wire
+from . import tp_group
 from .engine import StageEngine
+from .parallel import TensorParallel
+from .ranks import LeadingEngine, RankFailed, follow
 from .hops import NextHops
 from .kv_cache import CacheShape, PagedKVCache
 from .model_config import LayerRange, ModelConfig
@@ -37,6 +41,8 @@ from .servicer import StageServicer, StreamLimits
 from .weights import load_stage, model_id
 
 log = logging.getLogger("layerline.stage")
+
+KEEPALIVE_SECONDS = 2.0  # how often rank 0 checks on idle tensor-parallel ranks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -60,6 +66,11 @@ class StageSettings:
     max_step_tokens: int = 8192  # tokens in one step
     threads: int | None = None  # torch CPU threads; default: all cores
     grace_seconds: float = 5.0  # how long SIGTERM waits for in-flight calls
+    tp: int = 1  # tensor-parallel ranks of this stage, on this node
+    tp_timeout: float = 10.0  # a collective waiting longer than this fails the stage (seconds)
+    tp_rank: int = 0  # set only for the ranks rank 0 starts itself
+    tp_master: str | None = None  # rank 0's rendezvous address, for those ranks
+    stage_args: tuple[str, ...] = ()  # the command-line arguments, for rank 0 to start the others
 
     @property
     def max_chunk_bytes(self) -> int:
@@ -86,30 +97,43 @@ class StageWorker:
         self.state = common_pb2.WORKER_STATE_STARTING
         self.engine: StageEngine | None = None
         self.servicer: StageServicer | None = None
+        self.followers: list[subprocess.Popen[bytes]] = []  # ranks 1.. of a tensor-parallel stage
         self.health = health.aio.HealthServicer()
+        self.failed = False  # a rank of this tensor-parallel stage died or hung
 
-    def load(self) -> None:
+    def build_engine(self, tp: TensorParallel) -> StageEngine:
+        """Load this rank's shards and preallocate its KV pool (the same block count on every rank)."""
         start = time.perf_counter()
         model = load_stage(
-            self.checkpoint, self.layers, dtype=self.dtype, device=self.settings.device, config=self.config
+            self.checkpoint, self.layers, dtype=self.dtype, device=self.settings.device, config=self.config, tp=tp
         )
         shape = CacheShape.for_budget(
             self.settings.kv_memory_bytes,
             block_size=self.settings.kv_block_size,
-            num_kv_heads=self.config.num_kv_heads,
+            num_kv_heads=model.shards.num_kv_heads,
             head_dim=self.config.head_dim,
             num_layers=len(self.layers),
             dtype=self.dtype,
         )
         cache = PagedKVCache(shape, layer_ids=self.layers, dtype=self.dtype, device=self.settings.device)
-        self.engine = StageEngine(model, cache, max_step_tokens=self.settings.max_step_tokens)
-        self.engine.probe()
         params = sum(p.numel() for p in model.parameters())
         log.info(
-            "loaded layers %s of %s (%s params, %s, %s) in %.1fs; KV pool %d blocks x %d tokens",
-            self.layers, self.checkpoint, f"{params:,}", self.settings.dtype, self.settings.device,
-            time.perf_counter() - start, shape.num_blocks, shape.block_size,
+            "rank %d/%d loaded layers %s of %s (%s params, %s, %s) in %.1fs; KV pool %d blocks x %d tokens",
+            tp.rank, tp.size, self.layers, self.checkpoint, f"{params:,}", self.settings.dtype,
+            self.settings.device, time.perf_counter() - start, shape.num_blocks, shape.block_size,
         )
+        return StageEngine(model, cache, max_step_tokens=self.settings.max_step_tokens)
+
+    def load(self) -> None:
+        s = self.settings
+        if s.tp == 1:
+            self.engine = self.build_engine(TensorParallel())
+        else:
+            master = f"127.0.0.1:{tp_group.free_port()}"
+            self.followers = tp_group.spawn_followers(s.stage_args, size=s.tp, master=master)
+            tp = tp_group.join_group(rank=0, size=s.tp, master=master, timeout_s=s.tp_timeout, device=s.device)
+            self.engine = LeadingEngine(self.build_engine(tp), tp.group)  # type: ignore[assignment]
+        self.engine.probe()
 
     def info(self) -> common_pb2.WorkerInfo:
         engine = self.engine
@@ -125,7 +149,7 @@ class StageWorker:
             num_layers=self.config.num_layers,
             dtype=dtype_to_wire(self.dtype),
             device=self.settings.device,
-            tp_size=1,
+            tp_size=self.settings.tp,
             kv_blocks_total=engine.cache.blocks_total if engine else 0,
             kv_blocks_free=engine.cache.blocks_free if engine else 0,
             kv_block_size=self.settings.kv_block_size,
@@ -172,6 +196,7 @@ class StageWorker:
         await self.health.set("layerline.v1.StageWorker", health_pb2.HealthCheckResponse.SERVING)
         log.info("stage %s serving on %s (model id %s, pid %d)", self.layers, self.address, self.model_id, os.getpid())
         membership = asyncio.create_task(self._membership(s.coordinator)) if s.coordinator else None
+        watch = asyncio.create_task(self._watch_ranks(stop)) if self.followers else None
         await stop.wait()
         # Draining: NOT_SERVING first, so no new sequence comes; then leave the coordinator, which
         # moves this stage's sequences to other chains by replay; then finish in-flight calls.
@@ -183,8 +208,40 @@ class StageWorker:
             await self._deregister(s.coordinator, "draining (SIGTERM)")
         await server.stop(s.grace_seconds)
         await hops.close()
+        if watch is not None:
+            watch.cancel()
+            if not self.failed:
+                await loop.run_in_executor(self.servicer.compute, self.engine.stop)  # type: ignore[attr-defined]
+            tp_group.stop_followers(self.followers, grace=s.grace_seconds)
         self.servicer.compute.shutdown(wait=False)
         log.info("stopped")
+
+    async def _watch_ranks(self, stop: asyncio.Event) -> None:
+        """Fail stop when a rank dies or hangs: NOT_SERVING, the other ranks killed, exit."""
+        loop = asyncio.get_running_loop()
+        beat = 0.0
+        while True:
+            await asyncio.sleep(0.2)
+            beat += 0.2
+            reason = ""
+            if gone := tp_group.gone(self.followers):
+                reason = f"rank(s) {gone} exited"
+            elif beat >= KEEPALIVE_SECONDS:
+                beat = 0.0
+                try:  # keeps idle ranks inside the collective timeout, and finds a hung one
+                    await loop.run_in_executor(self.servicer.compute, self.engine.keepalive)  # type: ignore[union-attr]
+                except RankFailed as err:
+                    reason = str(err)
+            if reason:
+                log.error("tensor-parallel stage fails stop: %s", reason)
+                self.failed = True
+                self.state = common_pb2.WORKER_STATE_NOT_SERVING
+                await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+                for p in self.followers:
+                    if p.poll() is None:
+                        p.kill()
+                stop.set()
+                return
 
 
     async def _membership(self, coordinator: str) -> None:
@@ -247,5 +304,26 @@ class _UntilLoaded(stage_pb2_grpc.StageWorkerServicer):
 
 def run_stage(settings: StageSettings) -> int:
     """Run a stage worker in this process until it is stopped; the process exit status."""
-    asyncio.run(StageWorker(settings).serve())
+    if settings.tp_master is not None:
+        return run_follower(settings)
+    worker = StageWorker(settings)
+    asyncio.run(worker.serve())
+    return 1 if worker.failed else 0
+
+
+def run_follower(settings: StageSettings) -> int:
+    """A rank > 0 of a tensor-parallel stage: load its shards, then follow rank 0 until STOP."""
+    tp_group.die_with_parent()
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    worker = StageWorker(settings)
+    assert settings.tp_master is not None
+    tp = tp_group.join_group(rank=settings.tp_rank, size=settings.tp, master=settings.tp_master,
+                             timeout_s=settings.tp_timeout, device=settings.device)
+    engine = worker.build_engine(tp)
+    try:
+        follow(engine, tp.group)
+    except RankFailed as err:
+        log.error("rank %d fails stop: %s", settings.tp_rank, err)
+        return 1
     return 0

@@ -30,6 +30,7 @@ from .codec import CodecLimits, FrameError, Reassembler, chunk
 from .engine import SequenceError, SequenceStep, StageEngine, StepInputError, StepOutput
 from .hops import NextHops
 from .kv_cache import KVCacheExhausted
+from .ranks import RankFailed
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     FrameError: grpc.StatusCode.INVALID_ARGUMENT,
     StepInputError: grpc.StatusCode.INVALID_ARGUMENT,
     KVCacheExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    RankFailed: grpc.StatusCode.UNAVAILABLE,  # the coordinator moves the sequences elsewhere
 }
 
 
@@ -119,6 +121,10 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
                     out = await future
                 except (StepInputError, FrameError) as err:
                     answer(stage_pb2.StepResult(step_id=step.header.step_id, error=status_of(err)))
+                    continue
+                except RankFailed as err:  # this stage fails stop; the coordinator moves the work
+                    answer(stage_pb2.StepResult(step_id=step.header.step_id, error=status_of(err),
+                                                failed_address=self.worker_info().address))
                     continue
                 except Exception as err:  # a defect: say so on the step, keep the stream serving
                     log.exception("step %d failed", step.header.step_id)

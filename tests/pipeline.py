@@ -14,7 +14,7 @@ def cache_for(stage: StageModel, *, num_blocks: int = 64, block_size: int = 8) -
     cfg = stage.config
     shape = CacheShape(num_blocks, block_size, stage.shards.num_kv_heads, cfg.head_dim)
     dtype = next(stage.parameters()).dtype
-    return PagedKVCache(shape, layer_ids=stage.layer_range, dtype=dtype)
+    return PagedKVCache(shape, layer_ids=stage.layer_range, dtype=dtype, device=next(stage.parameters()).device)
 
 
 class LocalPipeline:
@@ -29,14 +29,15 @@ class LocalPipeline:
         """Feed each sequence's new token ids; returns logits (last row of each, or all rows)."""
         ids = [s for s in seqs]
         lens = [len(seqs[s]) for s in ids]
-        x: torch.Tensor = torch.tensor([t for s in ids for t in seqs[s]], dtype=torch.long)
+        device = next(self.stages[0].parameters()).device
+        x: torch.Tensor = torch.tensor([t for s in ids for t in seqs[s]], dtype=torch.long, device=device)
         for stage, cache in zip(self.stages, self.caches):
             for s, n in zip(ids, lens):
                 cache.reserve(s, n)
             layout = cache.plan_step(ids, lens, sliding_window=stage.config.sliding_window)
             rows = None if all_logits else layout.last_rows()
             x = stage(x, cache=cache, layout=layout, logit_rows=rows)
-        return x
+        return x.cpu()
 
     def greedy(self, prompts: dict[str, list[int]], max_new: int) -> dict[str, list[int]]:
         out = {s: [] for s in prompts}

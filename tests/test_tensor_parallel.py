@@ -19,16 +19,19 @@ from .tiny_models import make_tiny_checkpoint
 PROMPTS = {"a": [1, 17, 42, 99, 3, 5, 8, 13, 21, 34, 55], "b": [1, 7, 7, 200], "c": [9]}
 
 
-def _rank(path: str, rank: int, size: int, port: int, out: mp.Queue) -> None:  # type: ignore[type-arg]
+def _rank(path: str, rank: int, size: int, port: int, out: mp.Queue, device: str = "cpu") -> None:  # type: ignore[type-arg]
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=60))
     try:
         tp = TensorParallel(rank=rank, size=size, group=dist.group.WORLD)
         reader = CheckpointReader(path)
-        stage = load_stage(path, LayerRange(0, 4), tp=tp, reader=reader)
+        stage = load_stage(path, LayerRange(0, 4), tp=tp, reader=reader, device=f"{device}:{rank}" if device == "cuda" else "cpu")
         pipe = LocalPipeline([stage])
         logits = pipe.step({"x": PROMPTS["a"]}, all_logits=True)
         tokens = LocalPipeline([stage]).greedy(PROMPTS, 16)
@@ -37,11 +40,11 @@ def _rank(path: str, rank: int, size: int, port: int, out: mp.Queue) -> None:  #
         dist.destroy_process_group()
 
 
-def run_tp(path, size: int) -> dict[int, tuple]:  # type: ignore[no-untyped-def]
+def run_tp(path, size: int, device: str = "cpu") -> dict[int, tuple]:  # type: ignore[no-untyped-def]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(str(path), r, size, port, out)) for r in range(size)]
+    procs = [ctx.Process(target=_rank, args=(str(path), r, size, port, out, device)) for r in range(size)]
     for p in procs:
         p.start()
     results = {}
@@ -81,6 +84,16 @@ def test_tp_ranks_match_tp1_and_transformers(tmp_path, family, size):
         assert vocab == [(0, rank * per_rank, min((rank + 1) * per_rank, 211))]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices for NCCL")
+def test_nccl_tp_2_on_cuda_matches_tp1(tmp_path):
+    make_tiny_checkpoint("tp_mqa", tmp_path)
+    reference = LocalPipeline([load_stage(tmp_path, LayerRange(0, 4))]).step({"x": PROMPTS["a"]}, all_logits=True)
+    results = run_tp(tmp_path, 2, device="cuda")
+    for rank in range(2):
+        torch.testing.assert_close(torch.tensor(results[rank][0]), reference, atol=1e-4, rtol=0)
+
+
 def test_cuts_that_do_not_divide_are_refused(tmp_path):
     make_tiny_checkpoint("tp_gqa", tmp_path)  # 6 heads, 3 KV heads, intermediate 96
     config = ModelConfig.from_checkpoint(tmp_path)
@@ -91,3 +104,102 @@ def test_cuts_that_do_not_divide_are_refused(tmp_path):
     shards = shards_for(config, TensorParallel(rank=2, size=3))
     assert (shards.num_heads, shards.head_start, shards.num_kv_heads, shards.kv_head_start) == (2, 4, 1, 2)
     assert (shards.intermediate, shards.vocab_start, shards.vocab_per_rank) == (32, 142, 71)
+
+
+def _children(pid: int) -> list[int]:
+    import subprocess
+
+    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(p) for p in found]
+
+
+def _alive(pid: int) -> bool:
+    from pathlib import Path
+
+    status = Path(f"/proc/{pid}/status")
+    return status.exists() and "State:\tZ" not in status.read_text()
+
+
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+def test_a_rank_that_dies_or_hangs_fails_the_whole_stage(tmp_path, fault):
+    import os
+    import signal
+    import time
+
+    from .stage_client import StageProcess
+
+    make_tiny_checkpoint("tp_mqa", tmp_path / "ckpt")
+    stage = StageProcess(tmp_path / "ckpt", "0:4", "--tp", "3", "--tp-timeout", "3", log_dir=tmp_path)
+    try:
+        stage.wait_serving()
+        assert stage.info().tp_size == 3
+        followers = _children(stage.proc.pid)
+        assert len(followers) == 2
+        os.kill(followers[0], getattr(signal, fault))
+        start = time.monotonic()
+        stage.proc.wait(15)
+        elapsed = time.monotonic() - start
+        deadline = time.monotonic() + 5
+        while any(_alive(p) for p in followers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        code = stage.stop()
+    assert elapsed < 10, elapsed  # fail-stop within seconds, not gloo's default of half an hour
+    assert code == 1
+    assert "tensor-parallel stage fails stop" in stage.log()
+    assert not any(_alive(p) for p in followers)  # no rank is left behind
+
+
+def _generate_through_the_sdk(model_dir, tmp_path, prompts: list[str], n: int, **plan) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    import asyncio
+
+    from layerline.client import AsyncClient
+    from layerline.launcher import ClusterPlan, LocalCluster
+
+    cluster = LocalCluster(ClusterPlan(model=str(model_dir), port=free_port(), log_dir=tmp_path / "logs",
+                                       kv_memory="32M", **plan), model_dir)
+    cluster.start()
+    try:
+        status = cluster.wait_ready(timeout=180)
+        assert all(w.worker.tp_size == plan["tp"] for w in status.workers)
+
+        async def run() -> list[list[int]]:
+            async with AsyncClient(cluster.address) as client:
+                done = await asyncio.gather(*(client.generate(p, max_tokens=n, temperature=0.0) for p in prompts))
+            return [d.token_ids for d in done]
+
+        return asyncio.run(run())
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.real_model
+def test_smollm2_at_tp_3_through_the_sdk_equals_transformers(real_model_dir, tmp_path, hf_greedy):
+    prompts = ["Once upon a time", "The three primary colors are"]
+    got = _generate_through_the_sdk(real_model_dir, tmp_path, prompts, 16, stages=1, tp=3)
+    assert got == [hf_greedy(p, 16) for p in prompts]
+
+
+@pytest.mark.real_model
+def test_two_stages_of_tp_2_through_the_sdk_equal_transformers(real_model_dir, tmp_path):
+    """A tiny model that tp 2 can cut (SmolLM2's 9 heads cannot be), with SmolLM2's tokenizer."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    path = tmp_path / "tiny"
+    hf = make_tiny_checkpoint("tp_mqa", path, vocab_size=49152)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(real_model_dir / name, path / name)
+    tok = AutoTokenizer.from_pretrained(path)
+    prompts = ["Once upon a time", "def fibonacci(n):", "Water boils at"]
+    got = _generate_through_the_sdk(path, tmp_path, prompts, 12, stages=2, tp=2)
+    hf.generation_config.eos_token_id = None
+    expected = []
+    for p in prompts:
+        ids = tok(p)["input_ids"]
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+        expected.append(out[0, len(ids):].tolist())
+    # The random model may emit an end-of-sequence id (2) before 12 tokens: the cluster stops there.
+    assert got == [e[: e.index(2) + 1] if 2 in e else e for e in expected]
