@@ -75,6 +75,7 @@ class WorkerStatus:
     device: str  # of rank 0: "cpu", "cuda:0", ...
     load: WorkerLoad
     seconds_since_heartbeat: float
+    weights_bytes: int = 0  # memory of the weights one rank of it holds
 
 
 @dataclass(frozen=True)

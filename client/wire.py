@@ -170,6 +170,7 @@ def cluster_from(response: coordinator_pb2.ClusterStatusResponse) -> ClusterStat
                 device=w.device,
                 load=WorkerLoad(w.in_flight_steps, w.active_sequences, w.kv_blocks_free, w.kv_blocks_total),
                 seconds_since_heartbeat=entry.seconds_since_heartbeat,
+                weights_bytes=w.weights_bytes,
             )
         )
     chains = [ChainStatus(c.replica, c.model_id, list(c.addresses), c.active_sequences) for c in response.chains]

@@ -33,6 +33,7 @@ class Worker:
     in_flight_steps: int = 0
     active_sequences: int = 0
     state: str = "SERVING"
+    weights_bytes: int = 0  # weights one rank holds
 
 
 @dataclass

@@ -237,7 +237,7 @@ def _worker(info: common_pb2.WorkerInfo) -> Worker:
         dtype=tensor_pb2.DType.Name(info.dtype).lower(), device=info.device,
         kv_blocks_total=info.kv_blocks_total, kv_blocks_free=info.kv_blocks_free,
         in_flight_steps=info.in_flight_steps, active_sequences=info.active_sequences,
-        state=common_pb2.WorkerState.Name(info.state).removeprefix("WORKER_STATE_"),
+        weights_bytes=info.weights_bytes, state=common_pb2.WorkerState.Name(info.state).removeprefix("WORKER_STATE_"),
     )
 
 
@@ -248,7 +248,7 @@ def _worker_info(w: Worker) -> common_pb2.WorkerInfo:
         model_name=w.model_name, layer_start=w.layer_start, layer_end=w.layer_end,
         num_layers=w.num_layers, dtype=tensor_pb2.DType.Value(w.dtype.upper()), device=w.device,
         tp_size=w.tp_size, kv_blocks_total=w.kv_blocks_total, kv_blocks_free=w.kv_blocks_free,
-        in_flight_steps=w.in_flight_steps, active_sequences=w.active_sequences,
+        in_flight_steps=w.in_flight_steps, active_sequences=w.active_sequences, weights_bytes=w.weights_bytes,
         state=common_pb2.WorkerState.Value(state) if state in common_pb2.WorkerState.keys()
         else common_pb2.WORKER_STATE_NOT_SERVING,
     )

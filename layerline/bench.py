@@ -1,8 +1,8 @@
 """`layerline bench`: the performance figures of DESIGN.md, measured in one run, as ratios.
 
 Owns the measurement plan. transformers' `generate` is the baseline (single stream and a batch
-of 32, same dtype, same thread count), loaded in this process; a 1-stage and a 2-stage local
-cluster run beside it as real processes, measured through the client SDK. Only one thing
+of 32, same dtype, same thread count), loaded in this process; a 1-stage, a 2-stage and a
+1-stage tensor-parallel (tp 3) local cluster run beside it as real processes, measured through the client SDK. Only one thing
 computes at a time, and the measurements are interleaved in rounds (baseline, 1 stage,
 2 stages, again ...) with the median of each kept, so that the drift of a shared machine
 touches both sides of every ratio alike. transformers is needed here only, as the baseline.
@@ -48,6 +48,7 @@ class BenchResult:
     rounds: int
     single_stream: dict[str, Stream] = field(default_factory=dict)  # medians: "transformers", ...
     aggregate_tokens_per_s: dict[str, float] = field(default_factory=dict)  # medians
+    weights_bytes_per_rank: dict[str, int] = field(default_factory=dict)  # largest rank of each cluster
     ratios: dict[str, float] = field(default_factory=dict)
     within_budget: dict[str, bool] = field(default_factory=dict)
 
@@ -141,10 +142,11 @@ def run_bench(checkpoint: Path, *, dtype: str = "float32", new_tokens: int = 64,
     _log(f"loading the transformers baseline ({dtype}, {threads} threads) ...")
     baseline = Baseline(checkpoint, dtype=dtype, threads=threads)
     logs = Path(tempfile.gettempdir()) / f"layerline-bench-{os.getpid()}"
+    layouts = {"1_stage": dict(stages=1), "2_stages": dict(stages=2), "1_stage_tp3": dict(stages=1, tp=3)}
     clusters = {
-        stages: LocalCluster(ClusterPlan(model=str(checkpoint), stages=stages, dtype=dtype, port=port + stages,
-                                         kv_memory="256M", log_dir=logs / f"{stages}-stage"), checkpoint)
-        for stages in (1, 2)
+        name: LocalCluster(ClusterPlan(model=str(checkpoint), dtype=dtype, port=port + i, kv_memory="256M",
+                                       log_dir=logs / name, **layout), checkpoint)
+        for i, (name, layout) in enumerate(layouts.items(), start=1)
     }
     try:
         for cluster in clusters.values():
@@ -152,12 +154,16 @@ def run_bench(checkpoint: Path, *, dtype: str = "float32", new_tokens: int = 64,
         for cluster in clusters.values():
             cluster.wait_ready()
             cluster_aggregate(cluster.address, 2, 4)  # warm up
-        one, two = clusters[1].address, clusters[2].address
+        one, two, tp3 = (clusters[n].address for n in layouts)
+        for name, cluster in clusters.items():
+            with Client(cluster.address) as client:
+                result.weights_bytes_per_rank[name] = max(w.weights_bytes for w in client.cluster().workers)
         _log("single streams ...")
         singles = _rounds(rounds, {
             "transformers": lambda: baseline.single(new_tokens),
             "1_stage": lambda: cluster_single(one, new_tokens),
             "2_stages": lambda: cluster_single(two, new_tokens),
+            "1_stage_tp3": lambda: cluster_single(tp3, new_tokens),
         })
         result.single_stream = {k: _median_stream(v) for k, v in singles.items()}
         _log("concurrent streams ...")
@@ -182,6 +188,7 @@ def run_bench(checkpoint: Path, *, dtype: str = "float32", new_tokens: int = 64,
         "concurrent_32_vs_transformers_batch_32": a["2_stages_x32"] / a["transformers_batch_32"],
         "concurrent_32_1_stage_vs_transformers_batch_32": a["1_stage_x32"] / a["transformers_batch_32"],
         "added_ms_per_extra_hop_per_token": 1000.0 * (1 / s["2_stages"] - 1 / s["1_stage"]),
+        "single_stream_tp3_vs_tp1": s["1_stage_tp3"] / s["1_stage"],
     }
     result.within_budget = {k: result.ratios[k] >= least for k, least in BUDGETS.items()}
     result.within_budget["added_ms_per_extra_hop_per_token"] = (

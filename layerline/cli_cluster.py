@@ -186,7 +186,8 @@ def add_cluster_commands(commands: Subcommands) -> None:
     bench = commands.add_parser(
         "bench", help="measure decode speed against transformers, as ratios, and print JSON",
         description="Measure, in one run on this machine: transformers' generate (single stream "
-                    "and batch 32) as the baseline, and local clusters of 1 and 2 stages: time "
+                    "and batch 32) as the baseline, and local clusters of 1 and 2 stages and "
+                    "of 1 stage at tp 3: time "
                     "to first token and decode tokens/s of one stream, and aggregate tokens/s at "
                     "1, 8 and 32 concurrent streams. Measurements are interleaved in rounds and "
                     "the medians kept. Prints the figures, the ratios and whether each is within "

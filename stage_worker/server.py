@@ -100,6 +100,7 @@ class StageWorker:
         self.followers: list[subprocess.Popen[bytes]] = []  # ranks 1.. of a tensor-parallel stage
         self.health = health.aio.HealthServicer()
         self.failed = False  # a rank of this tensor-parallel stage died or hung
+        self.weights_bytes = 0  # of this rank's shards, once loaded
 
     def build_engine(self, tp: TensorParallel) -> StageEngine:
         """Load this rank's shards and preallocate its KV pool (the same block count on every rank)."""
@@ -133,6 +134,7 @@ class StageWorker:
             self.followers = tp_group.spawn_followers(s.stage_args, size=s.tp, master=master)
             tp = tp_group.join_group(rank=0, size=s.tp, master=master, timeout_s=s.tp_timeout, device=s.device)
             self.engine = LeadingEngine(self.build_engine(tp), tp.group)  # type: ignore[assignment]
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.engine.model.parameters())
         self.engine.probe()
 
     def info(self) -> common_pb2.WorkerInfo:
@@ -150,6 +152,7 @@ class StageWorker:
             dtype=dtype_to_wire(self.dtype),
             device=self.settings.device,
             tp_size=self.settings.tp,
+            weights_bytes=self.weights_bytes,
             kv_blocks_total=engine.cache.blocks_total if engine else 0,
             kv_blocks_free=engine.cache.blocks_free if engine else 0,
             kv_block_size=self.settings.kv_block_size,

@@ -150,7 +150,8 @@ def test_a_rank_that_dies_or_hangs_fails_the_whole_stage(tmp_path, fault):
     assert not any(_alive(p) for p in followers)  # no rank is left behind
 
 
-def _generate_through_the_sdk(model_dir, tmp_path, prompts: list[str], n: int, **plan) -> list[list[int]]:  # type: ignore[no-untyped-def]
+def _generate_through_the_sdk(model_dir, tmp_path, prompts: list[str], n: int, **plan):  # type: ignore[no-untyped-def]
+    """(token ids of each prompt, the cluster status when it was ready)."""
     import asyncio
 
     from layerline.client import AsyncClient
@@ -168,7 +169,7 @@ def _generate_through_the_sdk(model_dir, tmp_path, prompts: list[str], n: int, *
                 done = await asyncio.gather(*(client.generate(p, max_tokens=n, temperature=0.0) for p in prompts))
             return [d.token_ids for d in done]
 
-        return asyncio.run(run())
+        return asyncio.run(run()), status
     finally:
         cluster.stop()
 
@@ -176,8 +177,10 @@ def _generate_through_the_sdk(model_dir, tmp_path, prompts: list[str], n: int, *
 @pytest.mark.real_model
 def test_smollm2_at_tp_3_through_the_sdk_equals_transformers(real_model_dir, tmp_path, hf_greedy):
     prompts = ["Once upon a time", "The three primary colors are"]
-    got = _generate_through_the_sdk(real_model_dir, tmp_path, prompts, 16, stages=1, tp=3)
+    got, status = _generate_through_the_sdk(real_model_dir, tmp_path, prompts, 16, stages=1, tp=3)
     assert got == [hf_greedy(p, 16) for p in prompts]
+    # Each rank holds a third of every sharded tensor: 54,298,944 float32 parameters, not 162.8M.
+    assert [w.worker.weights_bytes for w in status.workers] == [54_298_944 * 4]
 
 
 @pytest.mark.real_model
@@ -193,7 +196,7 @@ def test_two_stages_of_tp_2_through_the_sdk_equal_transformers(real_model_dir, t
         shutil.copy(real_model_dir / name, path / name)
     tok = AutoTokenizer.from_pretrained(path)
     prompts = ["Once upon a time", "def fibonacci(n):", "Water boils at"]
-    got = _generate_through_the_sdk(path, tmp_path, prompts, 12, stages=2, tp=2)
+    got, _ = _generate_through_the_sdk(path, tmp_path, prompts, 12, stages=2, tp=2)
     hf.generation_config.eos_token_id = None
     expected = []
     for p in prompts:
