@@ -68,11 +68,13 @@ class StageEngine:
         *,
         max_step_tokens: int = 8192,
         max_threads: int | None = None,
+        samples: bool = True,
     ) -> None:
         self.model = model
         self.cache = cache
         self.config = model.config
         self.max_step_tokens = max_step_tokens
+        self.samples = samples  # False on tensor-parallel ranks > 0: rank 0 alone samples
         self.dtype = next(model.parameters()).dtype
         self._lock = threading.Lock()
         # On CPU a step of a few tokens is bound by memory bandwidth: one thread reads the weights
@@ -152,6 +154,8 @@ class StageEngine:
             out.hidden = self.model(inputs, cache=self.cache, layout=layout)
             return out
         logits = self.model(inputs, cache=self.cache, layout=layout, logit_rows=layout.last_rows())
+        if not self.samples:
+            return out
         params = [s.sampling or SamplingParams() for s in out.kept]
         draws = sample(
             logits,

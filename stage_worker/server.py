@@ -123,7 +123,7 @@ class StageWorker:
             tp.rank, tp.size, self.layers, self.checkpoint, f"{params:,}", self.settings.dtype,
             self.settings.device, time.perf_counter() - start, shape.num_blocks, shape.block_size,
         )
-        return StageEngine(model, cache, max_step_tokens=self.settings.max_step_tokens)
+        return StageEngine(model, cache, max_step_tokens=self.settings.max_step_tokens, samples=tp.rank == 0)
 
     def load(self) -> None:
         s = self.settings
