@@ -116,12 +116,15 @@ class ScriptedCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
                 time.sleep(0.05)
             yield from STORY
         elif key == "endless":
-            for i in range(500):  # 10 s unless the client cancels
+            try:
+                for i in range(500):  # 10 s unless the client cancels
+                    if not context.is_active():
+                        return
+                    yield pb.GenerateResponse(text="x", token_ids=[i])
+                    time.sleep(0.02)
+            finally:  # grpc may close this generator at a yield once the call is cancelled
                 if not context.is_active():
                     self.cancelled.set()
-                    return
-                yield pb.GenerateResponse(text="x", token_ids=[i])
-                time.sleep(0.02)
         elif key == "no finish":
             yield STORY[0]
         elif key == "bad":
