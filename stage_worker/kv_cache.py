@@ -89,6 +89,11 @@ class StepLayout:
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
 
+    @property
+    def decode_only(self) -> bool:
+        """Every sequence adds one token: the decode rows are all the rows, in order."""
+        return not self.prefills
+
     def last_rows(self) -> torch.Tensor:
         """[B] the row of each sequence's last new token (the one that is sampled)."""
         ends = torch.tensor(self.seq_lens, dtype=torch.long).cumsum(0)

@@ -186,6 +186,7 @@ class StageWorker:
             model_id=self.model_id,
             limits=StreamLimits(
                 codec=CodecLimits(max_tensor_bytes=s.max_tensor_bytes),
+                max_message_bytes=s.max_message_bytes,
                 max_chunk_bytes=s.max_chunk_bytes,
                 max_in_flight=s.max_in_flight,
                 max_sequences=s.max_sequences,
@@ -214,14 +215,13 @@ class StageWorker:
         if watch is not None:
             watch.cancel()
             if not self.failed:
-                await loop.run_in_executor(self.servicer.compute, self.engine.stop)  # type: ignore[attr-defined]
+                await self.servicer.on_compute_thread(self.engine.stop)  # type: ignore[attr-defined]
             tp_group.stop_followers(self.followers, grace=s.grace_seconds)
         self.servicer.compute.shutdown(wait=False)
         log.info("stopped")
 
     async def _watch_ranks(self, stop: asyncio.Event) -> None:
         """Fail stop when a rank dies or hangs: NOT_SERVING, the other ranks killed, exit."""
-        loop = asyncio.get_running_loop()
         beat = 0.0
         while True:
             await asyncio.sleep(0.2)
@@ -232,7 +232,7 @@ class StageWorker:
             elif beat >= KEEPALIVE_SECONDS:
                 beat = 0.0
                 try:  # keeps idle ranks inside the collective timeout, and finds a hung one
-                    await loop.run_in_executor(self.servicer.compute, self.engine.keepalive)  # type: ignore[union-attr]
+                    await self.servicer.on_compute_thread(self.engine.keepalive)  # type: ignore[union-attr]
                 except RankFailed as err:
                     reason = str(err)
             if reason:

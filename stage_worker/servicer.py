@@ -19,20 +19,23 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 import torch
 
-from layerline.protos.v1 import common_pb2, stage_pb2, stage_pb2_grpc
+from layerline.protos.v1 import common_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
 from layerline.sampling import SamplingParams
 
 from .codec import CodecLimits, FrameError, Reassembler, chunk
-from .engine import SequenceError, SequenceStep, StageEngine, StepInputError, StepOutput
+from .engine import SMALL_STEP_TOKENS, SequenceError, SequenceStep, StageEngine, StepInputError, StepOutput
 from .hops import NextHops
 from .kv_cache import KVCacheExhausted
-from .ranks import RankFailed
+from .ranks import LeadingEngine, RankFailed
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+FRAME_OVERHEAD_BYTES = 32  # field tags and lengths around a header and its hidden chunk
 
 STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     FrameError: grpc.StatusCode.INVALID_ARGUMENT,
@@ -50,6 +53,7 @@ def status_of(err: Exception) -> common_pb2.Status:
 @dataclass(frozen=True)
 class StreamLimits:
     codec: CodecLimits  # what one received tensor may be
+    max_message_bytes: int  # the gRPC message limit of the next hop
     max_chunk_bytes: int  # data bytes per hidden-state chunk this stage sends
     max_in_flight: int  # steps of one upstream stream received but not yet answered
     max_sequences: int  # sequences in one step
@@ -78,7 +82,34 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
         self.hops = hops
         self.worker_info = worker_info
         self.compute = ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
+        self.queued = 0  # calls submitted to the compute thread and not yet finished
         self.in_flight = 0
+        # A step of a few tokens runs on the event loop itself when the compute thread is idle:
+        # two thread handoffs cost more than such a step. Tensor-parallel rank 0 always uses
+        # the compute thread, which it shares with the keepalive collective.
+        self.inline_small_steps = not isinstance(engine, LeadingEngine)
+
+    def on_compute_thread(self, fn: Callable[[], T]) -> asyncio.Future[T]:
+        """Run `fn` on the compute thread, after everything submitted before it."""
+        self.queued += 1
+        future = asyncio.get_running_loop().run_in_executor(self.compute, fn)
+        future.add_done_callback(self._computed)
+        return future
+
+    def _computed(self, _: asyncio.Future[object]) -> None:
+        self.queued -= 1
+
+    def _start(self, step: _Step) -> asyncio.Future[StepOutput]:
+        """Begin computing a step: inline if it is small and nothing is queued before it."""
+        if not (self.inline_small_steps and self.queued == 0
+                and sum(s.num_tokens for s in step.seqs) <= SMALL_STEP_TOKENS):
+            return self.on_compute_thread(lambda: self._run(step))
+        future: asyncio.Future[StepOutput] = asyncio.get_running_loop().create_future()
+        try:
+            future.set_result(self._run(step))
+        except Exception as err:  # noqa: BLE001 - delivered through the future, as from the thread
+            future.set_exception(err)
+        return future
 
     # -- Step --------------------------------------------------------------------------------
 
@@ -108,7 +139,7 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
         async def read() -> None:
             try:
                 async for step in self._steps(request_iterator, answer_error=answer, received=received):
-                    future = asyncio.get_running_loop().run_in_executor(self.compute, self._run, step)
+                    future = self._start(step)
                     await ordered.put((step, future))
             finally:
                 await ordered.put(None)
@@ -168,7 +199,14 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
                     answer_error(stage_pb2.StepResult(step_id=frame.header.step_id, error=status_of(err)))
                     failed_id = frame.header.step_id
                     continue
-                if self.engine.is_first:
+                if frame.header.HasField("hidden"):  # the whole tensor, in the header
+                    try:
+                        current.hidden = _hidden_states(reassembler, frame.header.hidden, whole=True)
+                    except FrameError as err:
+                        answer_error(stage_pb2.StepResult(step_id=frame.header.step_id, error=status_of(err)))
+                        failed_id, current = frame.header.step_id, None
+                        continue
+                if self.engine.is_first or current.hidden is not None:
                     yield current
                     current = None
             elif kind == "hidden_chunk":
@@ -179,9 +217,7 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
                         failed_id = 0
                     continue
                 try:
-                    tensor = reassembler.add(frame.hidden_chunk)
-                    if tensor is not None and not tensor.is_floating_point():
-                        raise FrameError(f"hidden states have dtype {tensor.dtype}; a floating dtype is required")
+                    tensor = _hidden_states(reassembler, frame.hidden_chunk, whole=False)
                 except FrameError as err:
                     answer_error(stage_pb2.StepResult(step_id=current.header.step_id, error=status_of(err)))
                     failed_id, current = current.header.step_id, None
@@ -222,16 +258,23 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
         if self.engine.is_last:
             answer(_merge(step.header.step_id, order, local, _draw_results(step, out)))
             return
-        header = stage_pb2.StepHeader()
-        header.CopyFrom(step.header)
         kept = {s.sequence_id for s in out.kept}
-        del header.sequences[:]
-        header.sequences.extend(s for s in step.header.sequences if s.sequence_id in kept and s.sequence_id not in local)
-        del header.route[:]
-        header.route.extend(step.header.route[1:])
+        header = stage_pb2.StepHeader(
+            step_id=step.header.step_id,
+            model_id=step.header.model_id,
+            sequences=[s for s in step.header.sequences if s.sequence_id in kept and s.sequence_id not in local],
+            route=step.header.route[1:],
+            release_sequence_ids=step.header.release_sequence_ids,
+        )
         assert out.hidden is not None or not out.kept
         hidden = out.hidden if out.hidden is not None else torch.empty(0, self.engine.config.hidden_size)
-        frames = (stage_pb2.StepFrame(hidden_chunk=c) for c in chunk(hidden, self.limits.max_chunk_bytes))
+        chunks = list(chunk(hidden, self.limits.max_chunk_bytes))
+        frames: list[stage_pb2.StepFrame] = []
+        size = header.ByteSize() + chunks[0].ByteSize() + FRAME_OVERHEAD_BYTES
+        if len(chunks) == 1 and size <= self.limits.max_message_bytes:  # one message for the step
+            header.hidden.CopyFrom(chunks[0])
+        else:
+            frames = [stage_pb2.StepFrame(hidden_chunk=c) for c in chunks]
 
         def deliver(result: stage_pb2.StepResult) -> None:
             if result.HasField("error") and result.error.code:
@@ -247,9 +290,8 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
     async def Release(
         self, request: stage_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> stage_pb2.ReleaseResponse:
-        loop = asyncio.get_running_loop()
-        released = await loop.run_in_executor(
-            self.compute, lambda: sum(self.engine.release(s) for s in request.sequence_ids)
+        released = await self.on_compute_thread(
+            lambda: sum(self.engine.release(s) for s in request.sequence_ids)
         )
         return stage_pb2.ReleaseResponse(released=released, kv_blocks_free=self.engine.cache.blocks_free)
 
@@ -259,9 +301,23 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
         seconds = 0.0
         if request.probe:
             start = time.perf_counter()
-            await asyncio.get_running_loop().run_in_executor(self.compute, self.engine.probe)
+            await self.on_compute_thread(self.engine.probe)
             seconds = time.perf_counter() - start
         return stage_pb2.InfoResponse(worker=self.worker_info(), probe_seconds=seconds)
+
+
+def _hidden_states(reassembler: Reassembler, piece: tensor_pb2.TensorChunk, *, whole: bool) -> torch.Tensor | None:
+    """Add one chunk of a step's hidden states; the tensor once complete. `whole`: it must be."""
+    tensor = reassembler.add(piece)
+    if tensor is None and whole:
+        reassembler.reset()
+        raise FrameError(
+            f"header.hidden holds {len(piece.data)} of the tensor's {piece.total_bytes} bytes: "
+            "a header carries its hidden states whole, or sends them as hidden_chunk frames"
+        )
+    if tensor is not None and not tensor.is_floating_point():
+        raise FrameError(f"hidden states have dtype {tensor.dtype}; a floating dtype is required")
+    return tensor
 
 
 def _sequence_step(msg: stage_pb2.SequenceInput, *, last: bool) -> SequenceStep:

@@ -6,8 +6,10 @@ import math
 
 import grpc
 import pytest
+import torch
 
 from layerline.protos.v1 import common_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
+from layerline.stage_worker.codec import chunk
 from layerline.stage_worker.model_config import LayerRange
 from layerline.stage_worker.weights import load_stage
 
@@ -119,6 +121,39 @@ def test_hidden_states_larger_than_a_message_arrive_in_chunks(chain, ckpt, oracl
     assert math.ceil(nbytes / 1000) == 5
     assert result.sequences[0].sampled_token_id == oracle["s1"][0]
     stage_pb2_grpc.StageWorkerStub(last.channel).Release(stage_pb2.ReleaseRequest(sequence_ids=["chunked"]))
+
+
+def test_hidden_states_in_the_header_are_one_message_and_must_be_whole(chain, ckpt):
+    """A step whose hidden states fit in one chunk travels as a single frame; a part is refused."""
+    first, last = chain
+    prompt = PROMPTS["s1"]
+    hidden = LocalPipeline([load_stage(ckpt, LayerRange(0, 2))]).step({"h": prompt[:10]}, all_logits=True)
+    (whole,) = chunk(hidden, hidden.numel() * 4)  # 10 x 48 float32: 1920 bytes, under one message
+    header = stage_pb2.StepHeader(step_id=5, sequences=[seq_input("h", range(10))], hidden=whole)
+    stream = StepStream(last.channel)
+    try:
+        stream.send([stage_pb2.StepFrame(header=header)])
+        whole_model = LocalPipeline([load_stage(ckpt, LayerRange(0, 4))])
+        assert stream.receive().sequences[0].sampled_token_id == whole_model.greedy({"h": prompt[:10]}, 1)["h"][0]
+        part = next(chunk(hidden, 256))
+        header = stage_pb2.StepHeader(step_id=6, sequences=[seq_input("p", range(10))], hidden=part)
+        stream.send([stage_pb2.StepFrame(header=header)])
+        result = stream.receive()
+        assert (result.step_id, result.error.code) == (6, INVALID)
+        assert f"header.hidden holds 256 of the tensor's {hidden.numel() * 4} bytes" in result.error.message
+    finally:
+        stream.close()
+    stream = StepStream(first.channel)
+    try:  # the first stage embeds token ids: hidden states are refused there
+        header = stage_pb2.StepHeader(step_id=7, sequences=[seq_input("f", [0], [1])], route=[last.address],
+                                      hidden=next(chunk(torch.zeros(1, HIDDEN), 1 << 20)))
+        stream.send([stage_pb2.StepFrame(header=header)])
+        result = stream.receive()
+        assert (result.step_id, result.error.code) == (7, INVALID)
+        assert "the first stage takes token ids, not hidden states" in result.error.message
+    finally:
+        stream.close()
+    stage_pb2_grpc.StageWorkerStub(last.channel).Release(stage_pb2.ReleaseRequest(sequence_ids=["h"]))
 
 
 def _frame(**chunk_fields) -> list[stage_pb2.StepFrame]:

@@ -17,18 +17,20 @@ class StepFrame(_message.Message):
     def __init__(self, header: _Optional[_Union[StepHeader, _Mapping]] = ..., hidden_chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
 
 class StepHeader(_message.Message):
-    __slots__ = ("step_id", "model_id", "sequences", "route", "release_sequence_ids")
+    __slots__ = ("step_id", "model_id", "sequences", "route", "release_sequence_ids", "hidden")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     model_id: str
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceInput]
     route: _containers.RepeatedScalarFieldContainer[str]
     release_sequence_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., model_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[SequenceInput, _Mapping]]] = ..., route: _Optional[_Iterable[str]] = ..., release_sequence_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    hidden: _tensor_pb2.TensorChunk
+    def __init__(self, step_id: _Optional[int] = ..., model_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[SequenceInput, _Mapping]]] = ..., route: _Optional[_Iterable[str]] = ..., release_sequence_ids: _Optional[_Iterable[str]] = ..., hidden: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
 
 class SequenceInput(_message.Message):
     __slots__ = ("sequence_id", "positions", "token_ids", "sample", "sampling", "history_token_ids", "trace_context")

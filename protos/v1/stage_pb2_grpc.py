@@ -58,7 +58,8 @@ class StageWorkerServicer:
 
     def Step(self, request_iterator, context):
         """A long-lived bidirectional stream of steps (micro-batches). Each step is sent as one
-        StepFrame with a header followed by the StepFrames of its hidden-state chunks; the frames of
+        StepFrame with a header followed by the StepFrames of its hidden-state chunks (none when
+        the header carries the hidden states itself); the frames of
         different steps never interleave. Each step is answered by exactly one StepResult, matched
         by step_id (steps may be answered out of order).
         """
