@@ -120,7 +120,7 @@ class StageEngine:
     def _run(self, seqs: Sequence[SequenceStep], hidden: torch.Tensor | None) -> StepOutput:
         self._check_step(seqs, hidden)
         out = StepOutput(kept=[])
-        rows: list[torch.Tensor] = []
+        rows: list[range] = []  # the packed rows of each kept sequence
         row = 0
         seen: set[str] = set()
         for seq in seqs:
@@ -135,7 +135,7 @@ class StageEngine:
                 out.errors.append(SequenceError(seq.sequence_id, err))
             else:
                 out.kept.append(seq)
-                rows.append(torch.arange(row, row + n))
+                rows.append(range(row, row + n))
             row += n
         if not out.kept:
             return out
@@ -143,8 +143,9 @@ class StageEngine:
             inputs = torch.tensor([t for s in out.kept for t in s.token_ids], dtype=torch.long, device=self.cache.device)
         else:
             assert hidden is not None
-            inputs = hidden[torch.cat(rows)] if len(out.kept) < len(seqs) else hidden
-            inputs = inputs.to(device=self.cache.device, dtype=self.dtype)
+            if len(out.kept) < len(seqs):  # only the rows of the sequences that run
+                hidden = hidden[torch.tensor([r for kept in rows for r in kept], dtype=torch.long)]
+            inputs = hidden.to(device=self.cache.device, dtype=self.dtype)
         layout = self.cache.plan_step(
             [s.sequence_id for s in out.kept],
             [s.num_tokens for s in out.kept],

@@ -79,6 +79,20 @@ def test_bad_sequences_fail_alone(ckpt):
     assert first.cache.sequences() == ["known"]  # no blocks held for the rejected sequences
 
 
+def test_a_later_stage_runs_the_rows_of_the_sequences_it_keeps(ckpt):
+    hidden = torch.randn(6, 48)  # rows: a a a | bad bad | b
+    middle = engine(ckpt, LayerRange(1, 3))
+    out = middle.run(
+        [SequenceStep("a", (0, 1, 2)), SequenceStep("bad", (0, 2)), SequenceStep("b", (0,))], hidden
+    )
+    assert [s.sequence_id for s in out.kept] == ["a", "b"]
+    alone = engine(ckpt, LayerRange(1, 3)).run(
+        [SequenceStep("a", (0, 1, 2)), SequenceStep("b", (0,))], hidden[[0, 1, 2, 5]]
+    )
+    assert out.hidden is not None and alone.hidden is not None
+    assert torch.equal(out.hidden, alone.hidden)
+
+
 def test_hidden_shape_must_match_positions(ckpt):
     last = engine(ckpt, LayerRange(2, 4))
     with pytest.raises(StepInputError, match=r"hidden states have shape \(3, 48\)"):
