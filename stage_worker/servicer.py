@@ -84,9 +84,10 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
         self.compute = ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
         self.queued = 0  # calls submitted to the compute thread and not yet finished
         self.in_flight = 0
-        # A step of a few tokens runs on the event loop itself when the compute thread is idle:
-        # two thread handoffs cost more than such a step. Tensor-parallel rank 0 always uses
-        # the compute thread, which it shares with the keepalive collective.
+        # A step of a few tokens runs on the event loop itself when it is the only step here
+        # and the compute thread is idle: two thread handoffs cost more than such a step, and
+        # with no other step in flight the loop has no answer to relay meanwhile. Tensor-
+        # parallel rank 0 always uses the compute thread, shared with the keepalive collective.
         self.inline_small_steps = not isinstance(engine, LeadingEngine)
 
     def on_compute_thread(self, fn: Callable[[], T]) -> asyncio.Future[T]:
@@ -100,8 +101,8 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
         self.queued -= 1
 
     def _start(self, step: _Step) -> asyncio.Future[StepOutput]:
-        """Begin computing a step: inline if it is small and nothing is queued before it."""
-        if not (self.inline_small_steps and self.queued == 0
+        """Begin computing a step: inline if it is small and alone here, else on the thread."""
+        if not (self.inline_small_steps and self.queued == 0 and self.in_flight == 1
                 and sum(s.num_tokens for s in step.seqs) <= SMALL_STEP_TOKENS):
             return self.on_compute_thread(lambda: self._run(step))
         future: asyncio.Future[StepOutput] = asyncio.get_running_loop().create_future()
