@@ -257,8 +257,8 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
         hidden = out.hidden if out.hidden is not None else torch.empty(0, self.engine.config.hidden_size)
         frames = (stage_pb2.StepFrame(hidden_chunk=c) for c in chunk(hidden, self.limits.max_chunk_bytes))
         if step.times is not None:  # each request's hop span goes into its carrier; frames are timed
-            frames = step.times.forwarding(((s.sequence_id, s.trace_context) for s in header.sequences), frames,
-                                           header_size=header.ByteSize)
+            carriers = ((s.sequence_id, s.trace_context) for s in header.sequences)
+            frames = step.times.forwarding(step.header.route[0], carriers, frames, header_size=header.ByteSize)
 
         def deliver(result: stage_pb2.StepResult) -> None:
             if result.HasField("error") and result.error.code:
@@ -268,8 +268,6 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
             answer(_merge(result.step_id, order, local, down))
 
         await self.hops.get(step.header.route[0]).send(header, frames, deliver=deliver)
-        if step.times is not None:
-            step.times.sent(step.header.route[0])
 
     # -- Release and Info ---------------------------------------------------------------------
 

@@ -84,10 +84,11 @@ class BusyClock:
 
     def fraction(self) -> float:
         """Bubble share of the active time since the previous call (0 when it was never active)."""
-        active, bubble = self.totals()
-        seen_active, seen_bubble = self._seen
-        self._seen = (active, bubble)
-        return (bubble - seen_bubble) / (active - seen_active) if active > seen_active else 0.0
+        with self._lock:
+            self._advance()
+            (seen_active, seen_bubble), self._seen = self._seen, (self.active_seconds, self.bubble_seconds)
+            active, bubble = self.active_seconds - seen_active, self.bubble_seconds - seen_bubble
+        return bubble / active if active > 0 else 0.0
 
 
 class StageTelemetry:
@@ -194,8 +195,9 @@ class StepTimes:
         self.bytes_sent = 0
         self.serialize_seconds = 0.0
         self.send_seconds = 0.0
-        self.next_hop = ""
+        self.next_hop = ""  # set when the step is forwarded
         self._send_started = 0.0
+        self._sent = False
         self.spans: dict[str, Span] = {}
         if stage.tracer is None:
             return
@@ -241,19 +243,20 @@ class StepTimes:
                 stage.step_seconds.record(self.compute_ended - self.compute_started, labels)
                 stage.queue_seconds.record(self.compute_started - self.ready_at, labels)
 
-    def forwarding(self, carriers: Iterable[tuple[str, MutableMapping[str, str]]], frames: Iterable[F], *,
-                   header_size: Callable[[], int]) -> Iterator[F]:
-        """The step is about to go to the next hop: each request's carrier gets its span here.
+    def forwarding(self, next_hop: str, carriers: Iterable[tuple[str, MutableMapping[str, str]]],
+                   frames: Iterable[F], *, header_size: Callable[[], int]) -> Iterator[F]:
+        """The step is about to go to `next_hop`: each request's carrier gets its span here.
 
         `carriers` are the forwarded step's (sequence id, carrier) pairs. Returns `frames`, timed
-        as they are serialized and counted as they are sent; `header_size()` is read once the
-        header went out.
+        as they are serialized and counted as they are written; `header_size()` is read once the
+        header went out. When the writer asks for a frame past the last, all are written.
         """
         for sequence_id, carrier in carriers:
             span = self.spans.get(sequence_id)
             if span is not None:
                 carrier.clear()
                 propagate.inject(carrier, context=set_span_in_context(span))
+        self.next_hop = next_hop
         self._send_started = time.perf_counter()
         return self._timed(frames, header_size)
 
@@ -265,16 +268,18 @@ class StepTimes:
             frame = next(it, None)
             self.serialize_seconds += time.perf_counter() - start
             if frame is None:
+                self._written()
                 return
             self.bytes_sent += frame.ByteSize()
             yield frame
 
-    def sent(self, next_hop: str) -> None:
-        """Every frame of the step is written to the next hop's stream."""
-        self.next_hop = next_hop
+    def _written(self) -> None:
+        if self._sent:
+            return
+        self._sent = True
         self.send_seconds = time.perf_counter() - self._send_started - self.serialize_seconds
         if self.stage.metrics:
-            labels = {"layers": self.stage.layers, "peer": next_hop}
+            labels = {"layers": self.stage.layers, "peer": self.next_hop}
             self.stage.hop_bytes.record(self.bytes_sent, {**labels, "direction": "sent"})
             self.stage.hop_seconds.record(self.send_seconds, labels)
 
@@ -294,10 +299,13 @@ class StepTimes:
             attributes["layerline.step.queue_seconds"] = self.compute_started - self.ready_at
             attributes["layerline.step.compute_seconds"] = self.compute_ended - self.compute_started
         if self.next_hop:
+            if error is None:  # an answer came back, so every frame reached the next hop, even if
+                self._written()  # the writer has not yet been told that its last write completed
             attributes["layerline.next_hop"] = self.next_hop
             attributes["layerline.step.bytes_sent"] = self.bytes_sent
             attributes["layerline.step.serialize_seconds"] = self.serialize_seconds
-            attributes["layerline.step.send_seconds"] = self.send_seconds
+            if self._sent:
+                attributes["layerline.step.send_seconds"] = self.send_seconds
         for sequence_id, span in self.spans.items():
             span.set_attributes(attributes)
             failure = error or sequence_errors.get(sequence_id)
