@@ -2,8 +2,8 @@
 
 One cluster traces to an OTLP/gRPC receiver that this test runs (the collector's TraceService)
 and serves metrics from every process. Its workload runs once, in a fixture: a request made
-under the test's own span (the SDK sends that context), three concurrent requests, and one that
-the coordinator refuses; then every process's metrics are scraped and the cluster is stopped with
+under the test's own span (the SDK sends that context), a chat, three concurrent requests, and
+one that the coordinator refuses; then every process's metrics are scraped and the cluster is stopped with
 SIGTERM, which exports every span still buffered. The tests read what arrived. A second cluster
 runs with tracing off while the OTLP environment points at a receiver: nothing may arrive.
 """
@@ -15,6 +15,7 @@ import io
 import json
 import os
 import socket
+import time
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
@@ -123,6 +124,19 @@ def scrape(port: int) -> dict[str, Metric]:
     return {family.name: family for family in text_string_to_metric_families(text)}
 
 
+def scrape_when_idle(ports: dict[str, int], *, timeout: float = 60.0) -> dict[str, dict[str, Metric]]:
+    """Every process's metrics once the stages hold no KV: every step has come back and its
+    sequences are released (a decode step planned as a request finished may still be running
+    when the client has its answer)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = {name: scrape(port) for name, port in ports.items()}
+        stages = [families for name, families in metrics.items() if name.startswith("stage")]
+        if all(value(f, "layerline_kv_blocks_used") == 0 for f in stages) or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.1)
+
+
 def value(families: dict[str, Metric], family: str, sample: str | None = None, **labels: str) -> float:
     """The sum of a family's samples named `sample` (default: the family) whose labels include `labels`."""
     name = sample or family
@@ -145,6 +159,7 @@ def checkpoint(tmp_path_factory) -> Path:
 class TracedRun:
     caller: SpanContext  # the test's own span, around the first request
     traced: Completion  # the request made under it
+    chat: Completion
     concurrent: list[Completion]
     spans: list[ReceivedSpan]
     exports: list[trace_service_pb2.ExportTraceServiceRequest]
@@ -169,18 +184,19 @@ def traced(checkpoint, tmp_path_factory) -> Iterator[TracedRun]:
                 first = client.generate(PROMPTS[0], max_tokens=4, temperature=0.0)
             with pytest.raises(InvalidArgument, match="exceeds the context length"):
                 client.generate(PROMPTS[0], max_tokens=300, temperature=0.0)
+            chat = client.chat([{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0.0)
 
         async def concurrently() -> list[Completion]:
             async with AsyncClient(cluster.address) as aclient:
                 return await asyncio.gather(*(aclient.generate(p, max_tokens=5, temperature=0.0) for p in PROMPTS[1:]))
 
         rest = asyncio.run(concurrently())
-        metrics = {name: scrape(port) for name, port in cluster.metrics_ports.items()}
+        metrics = scrape_when_idle(cluster.metrics_ports)
     finally:
         cluster.stop()
     receiver.stop()
     yield TracedRun(
-        caller=caller.get_span_context(), traced=first, concurrent=rest, spans=receiver.spans(),
+        caller=caller.get_span_context(), traced=first, chat=chat, concurrent=rest, spans=receiver.spans(),
         exports=receiver.requests, metrics=metrics,
         stage_addresses={f"{w.worker.layer_start}:{w.worker.layer_end}": w.worker.address for w in status.workers},
         exit_codes=[p.returncode for _, p in cluster.procs],
@@ -286,6 +302,13 @@ def test_step_spans_carry_each_hops_figures(traced):
         f"{traced.stage_addresses['0:2']} -> {traced.stage_addresses['2:4']}"}
 
 
+def test_a_chat_is_a_chat_span_with_its_own_trace(traced):
+    (chat,) = [s for s in traced.spans if s.name.startswith("chat ")]
+    assert chat.attributes["gen_ai.operation.name"] == "chat"
+    assert chat.attributes["gen_ai.usage.input_tokens"] == traced.chat.usage.prompt_tokens
+    _check_request_trace(traced, chat, traced.chat)
+
+
 def test_a_refused_request_has_an_error_span(traced):
     (refused,) = [s for s in _request_spans(traced) if s.status_code == STATUS_ERROR]
     assert refused.attributes["error.type"] == "INVALID_ARGUMENT"
@@ -307,7 +330,7 @@ def test_otlp_exports_from_every_process_reach_the_receiver_and_decode(traced):
 
 
 def test_prometheus_histograms_count_the_requests_that_were_made(traced):
-    done = [traced.traced, *traced.concurrent]
+    done = [traced.traced, traced.chat, *traced.concurrent]
     coordinator = traced.metrics["coordinator"]
     for histogram in ("layerline_time_to_first_token_seconds", "layerline_e2e_request_latency_seconds",
                       "layerline_request_queue_time_seconds"):

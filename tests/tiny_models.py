@@ -80,7 +80,8 @@ def make_tiny_checkpoint(
 
 
 def write_byte_tokenizer(out: Path) -> int:
-    """A byte-level tokenizer with no merges in `out` (ids 0-2 special, then one per byte).
+    """A byte-level tokenizer with no merges and a plain chat template in `out` (ids 0-2 special,
+    then one per byte).
 
     Enough for the coordinator to serve a tiny checkpoint end to end; returns the vocabulary size.
     """
@@ -96,5 +97,8 @@ def write_byte_tokenizer(out: Path) -> int:
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     tokenizer.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: "
+    (out / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "chat_template": template})
+    )
     return len(vocab)
