@@ -15,6 +15,8 @@ import io
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
 import urllib.request
 from collections import Counter
@@ -437,3 +439,14 @@ def test_bubble_fraction_is_the_idle_share_of_the_time_with_live_sequences():
     assert clock.totals() == (6.0, 3.0)
     assert clock.fraction() == 0.5
     assert clock.fraction() == 0.0  # nothing active since the previous reading
+
+
+def test_the_coordinator_with_its_exporters_imports_no_torch():
+    code = (
+        "import sys, layerline.coordinator.server, layerline.telemetry\n"
+        "from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter\n"
+        "from opentelemetry.exporter.prometheus import PrometheusMetricReader\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
