@@ -6,6 +6,7 @@ under the test's own span (the SDK sends that context), a chat, three concurrent
 one that the coordinator refuses; then every process's metrics are scraped and the cluster is stopped with
 SIGTERM, which exports every span still buffered. The tests read what arrived. A second cluster
 runs with tracing off while the OTLP environment points at a receiver: nothing may arrive.
+The rest runs in this process: the console exporter, the flags, the bubble clock, step spans.
 """
 
 from __future__ import annotations
@@ -28,16 +29,22 @@ from unittest import mock
 
 import grpc
 import pytest
+from opentelemetry import propagate
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1 import common_pb2 as otlp_common_pb2
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.trace import SpanContext
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanContext, StatusCode, get_current_span, set_span_in_context
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.metrics_core import Metric
 
 from layerline.cli import main
 from layerline.client import AsyncClient, Client, Completion, InvalidArgument
+from layerline.coordinator.scheduler import Outcome, PlannedStep, Sequence, Slice, StepFailed
+from layerline.coordinator.telemetry import StepSpans
 from layerline.launcher import ClusterPlan, LocalCluster
+from layerline.sampling import SamplingParams
 from layerline.stage_worker.step_telemetry import BusyClock
 from layerline.telemetry import Telemetry, TelemetrySettings
 
@@ -450,3 +457,42 @@ def test_the_coordinator_with_its_exporters_imports_no_torch():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+def test_step_spans_are_children_of_their_requests_and_say_what_failed():
+    exported = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exported))
+    tracer = provider.get_tracer("test")
+    requests, seqs = [], []
+    for i in range(3):
+        request = tracer.start_span(f"request {i}")
+        seq = Sequence(f"s{i}", [1, 2, 3], SamplingParams(), on_token=lambda *a: None, on_error=lambda *a: None)
+        if i < 2:  # the third request is not traced: its sequence carries no context
+            propagate.inject(seq.trace_context, context=set_span_in_context(request))
+        requests.append(request)
+        seqs.append(seq)
+    step = PlannedStep(tuple(Slice(seq, 0, (1, 2, 3), sample=True) for seq in seqs))
+
+    carriers: list[dict[str, str]] = [{}, {}, {}]
+    StepSpans(tracer, step, carriers, chain="a -> b").done(
+        [Outcome("s0", token_id=5), Outcome("s1", error_code=8, error_message="KV cache full"), Outcome("s2", 6)])
+    by_parent = {span.parent.span_id: span for span in exported.get_finished_spans()}
+    ok, full = (by_parent[r.get_span_context().span_id] for r in requests[:2])
+    assert len(by_parent) == 2 and ok.name == full.name == "step"
+    assert ok.status.status_code == StatusCode.UNSET
+    assert (full.status.status_code, full.attributes["error.type"]) == (StatusCode.ERROR, "RESOURCE_EXHAUSTED")
+    # Each traced sequence's carrier now holds its step span, the parent of its first hop.
+    for carrier, span in zip(carriers, (ok, full)):
+        assert get_current_span(propagate.extract(carrier)).get_span_context().span_id == span.context.span_id
+    assert carriers[2] == {}  # nothing injected for the untraced request
+
+    exported.clear()
+    StepSpans(tracer, step, [{}, {}, {}], chain="a -> b").failed(
+        StepFailed(14, "stage b is unreachable", failed_address="b"))
+    failed = exported.get_finished_spans()
+    assert len(failed) == 2
+    for span in failed:
+        assert span.status.status_code == StatusCode.ERROR and span.status.description == "stage b is unreachable"
+        assert (span.attributes["error.type"], span.attributes["layerline.failed_address"]) == ("UNAVAILABLE", "b")
+        assert span.attributes["layerline.step.sequences"] == 3 and span.attributes["layerline.step.tokens"] == 9
