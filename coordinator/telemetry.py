@@ -33,9 +33,6 @@ from layerline.telemetry import SECONDS_BUCKETS, Telemetry
 
 from .scheduler import Outcome, PlannedStep, Sequence, StepFailed
 
-OPERATIONS = ("text_completion", "chat")  # gen_ai.operation.name of Generate and Chat
-
-
 @dataclass(frozen=True)
 class _Instruments:
     time_to_first_token: Histogram
