@@ -1,7 +1,8 @@
 """The coordinator's connection to one chain: a long-lived Step stream to its first stage.
 
 Owns turning a `PlannedStep` into a StepHeader (positions, token ids, sampling, the rest of the
-route, each sequence's trace carrier), matching each StepResult to the step that asked, and the
+route, and when tracing each sequence's trace carrier: the context of its request's `step`
+span), matching each StepResult to the step that asked, and the
 Release calls that free a sequence's KV on every stage of the chain. When the stream breaks,
 every step waiting on it fails with `StepFailed` naming the hop.
 
@@ -15,11 +16,13 @@ import itertools
 import logging
 
 import grpc
+from opentelemetry.trace import Tracer
 
 from layerline.protos.v1 import common_pb2, stage_pb2, stage_pb2_grpc
 from layerline.rpc import channel_options
 
 from .scheduler import Outcome, PlannedStep, StepFailed
+from .telemetry import StepSpans
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +34,12 @@ STEP_TIMEOUT = 60.0  # a step unanswered this long counts as a failed chain (hea
 
 
 class ChainClient:
-    def __init__(self, addresses: list[str], *, model_id: str, max_message_bytes: int) -> None:
+    def __init__(
+        self, addresses: list[str], *, model_id: str, max_message_bytes: int, tracer: Tracer | None = None
+    ) -> None:
         self.addresses = addresses
         self.model_id = model_id
+        self.tracer = tracer  # None: tracing is off, steps carry no trace context
         self._channels = {
             a: grpc.aio.insecure_channel(a, options=channel_options(max_message_bytes)) for a in addresses
         }
@@ -58,7 +64,20 @@ class ChainClient:
                 s.seq.sampling.to_wire(seq.sampling)
                 if s.seq.sampling.repetition_penalty != 1.0:
                     seq.history_token_ids.extend(s.seq.history)
-            seq.trace_context.update(s.seq.trace_context)
+        if self.tracer is None:
+            return await self._exchange(header)
+        spans = StepSpans(self.tracer, step, [seq.trace_context for seq in header.sequences],
+                          chain=" -> ".join(self.addresses))
+        try:
+            outcomes = await self._exchange(header)
+        except StepFailed as err:
+            spans.failed(err)
+            raise
+        spans.done(outcomes)
+        return outcomes
+
+    async def _exchange(self, header: stage_pb2.StepHeader) -> list[Outcome]:
+        """Send one step's header to the chain's first stage and wait for its result."""
         future: asyncio.Future[stage_pb2.StepResult] = asyncio.get_running_loop().create_future()
         async with self._lock:
             self._pending[header.step_id] = future

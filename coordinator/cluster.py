@@ -18,6 +18,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+from opentelemetry.trace import Tracer
+
 from .chain import ChainClient, ProbeFailed, probe
 from .registry import Registry, Worker, build_chains
 from .scheduler import ChainScheduler, Sequence, StepFailed
@@ -66,8 +68,10 @@ class Cluster:
         token_budget: int,
         depth: int | None = None,
         failover: FailoverPolicy = FailoverPolicy(),
+        tracer: Tracer | None = None,
     ) -> None:
         self.registry = registry
+        self.tracer = tracer  # the chains' step spans; None when tracing is off
         self.failover = failover
         self.failovers = 0  # sequences moved off a failed chain, since start
         self.last_failover_gap = 0.0  # seconds from a failure to the moved sequence's next token
@@ -105,7 +109,8 @@ class Cluster:
 
     def _start_chain(self, replica: int, workers: list[Worker]) -> RunningChain:
         client = ChainClient(
-            [w.address for w in workers], model_id=workers[0].model_id, max_message_bytes=self.max_message_bytes
+            [w.address for w in workers], model_id=workers[0].model_id, max_message_bytes=self.max_message_bytes,
+            tracer=self.tracer,
         )
         holder: list[RunningChain] = []
         scheduler = ChainScheduler(

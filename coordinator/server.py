@@ -1,8 +1,8 @@
 """The coordinator process: settings, the gRPC server, the maintenance loop, clean stop.
 
-Owns `CoordinatorSettings`, wiring the registry, cluster and services together, the standard
-health service, and the process lifecycle (SIGTERM: stop admitting, finish in-flight requests,
-exit 0). Never imports torch.
+Owns `CoordinatorSettings`, wiring the registry, cluster, services and telemetry together, the
+standard health service, and the process lifecycle (SIGTERM: stop admitting, finish in-flight
+requests, export the spans still buffered, exit 0). Never imports torch.
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from layerline.model_store import resolve_model
 from layerline.protos.v1 import coordinator_pb2_grpc
 from layerline.rpc import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from layerline.telemetry import Telemetry, TelemetrySettings
 
 from .cluster import Cluster
 from .registry import Registry
 from .servicer import Admission, CoordinatorServicer, RegistryServicer
+from .telemetry import CoordinatorTelemetry
 from .text import TextModel
 
 log = logging.getLogger("layerline.coordinator")
@@ -45,6 +47,7 @@ class CoordinatorSettings:
     heartbeat_expiry: float = 5.0  # a worker unheard of this long leaves routing
     probe_interval: float = 15.0  # seconds between readiness probes (a real forward) of a worker
     grace_seconds: float = 30.0  # how long SIGTERM waits for in-flight requests
+    telemetry: TelemetrySettings = TelemetrySettings()  # traces and Prometheus metrics; off by default
 
 
 async def serve(settings: CoordinatorSettings, *, stop: asyncio.Event | None = None) -> None:
@@ -52,9 +55,10 @@ async def serve(settings: CoordinatorSettings, *, stop: asyncio.Event | None = N
     config = json.loads((Path(checkpoint) / "config.json").read_text())
     text = TextModel.from_checkpoint(checkpoint)
     registry = Registry(num_layers=int(config["num_hidden_layers"]), expiry=settings.heartbeat_expiry)
+    telemetry = Telemetry(settings.telemetry, service="layerline-coordinator")
     cluster = Cluster(
         registry, max_message_bytes=settings.max_message_bytes, token_budget=settings.token_budget,
-        depth=settings.depth,
+        depth=settings.depth, tracer=telemetry.tracer,
     )
     server = grpc.aio.server(options=channel_options(settings.max_message_bytes))
     admission = Admission(
@@ -62,7 +66,11 @@ async def serve(settings: CoordinatorSettings, *, stop: asyncio.Event | None = N
         default_max_tokens=settings.default_max_tokens,
         max_context=int(config.get("max_position_embeddings", 2048)),
     )
-    servicer = CoordinatorServicer(cluster, text, admission=admission, model_name=Path(checkpoint).name)
+    observed = CoordinatorTelemetry(telemetry, model_name=Path(checkpoint).name)
+    servicer = CoordinatorServicer(cluster, text, admission=admission, model_name=Path(checkpoint).name,
+                                   telemetry=observed)
+    observed.watch(running=lambda: servicer.active, waiting=lambda: servicer.queued,
+                   failovers=lambda: cluster.failovers)
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
     coordinator_pb2_grpc.add_RegistryServicer_to_server(
         RegistryServicer(cluster, heartbeat_interval=settings.heartbeat_interval), server
@@ -76,6 +84,7 @@ async def serve(settings: CoordinatorSettings, *, stop: asyncio.Event | None = N
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     log.info("coordinator for %s (%d layers) serving on %s:%d", Path(checkpoint).name,
              registry.num_layers, settings.host, port)
+    log.info("telemetry: %s", telemetry.describe())
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -92,6 +101,7 @@ async def serve(settings: CoordinatorSettings, *, stop: asyncio.Event | None = N
     for task in maintenance:
         task.cancel()
     await cluster.close()
+    telemetry.shutdown()  # exports the spans still buffered
     log.info("stopped")
 
 

@@ -25,6 +25,7 @@ from layerline.sampling import SamplingParams
 from .cluster import Cluster, NoChainError
 from .generation import Delta, Failed, Finished, Generation, Limits
 from .registry import Worker
+from .telemetry import CoordinatorTelemetry, RequestTelemetry
 from .text import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, TextModel
 
 log = logging.getLogger(__name__)
@@ -42,11 +43,15 @@ class Admission:
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
-    def __init__(self, cluster: Cluster, text: TextModel, *, admission: Admission, model_name: str) -> None:
+    def __init__(
+        self, cluster: Cluster, text: TextModel, *, admission: Admission, model_name: str,
+        telemetry: CoordinatorTelemetry,
+    ) -> None:
         self.cluster = cluster
         self.text = text
         self.admission = admission
         self.model_name = model_name
+        self.telemetry = telemetry
         self._slots = asyncio.Semaphore(admission.max_active)
         self._throttler = Throttler(rate_limit=max(1, int(admission.rate_limit)), period=1.0)
         self.active = 0
@@ -58,7 +63,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if not request.prompt:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt must not be empty")
         ids = self.text.encode(request.prompt)
-        async for response in self._generate(ids, request.sampling, context, model=request.model):
+        async for response in self._generate(ids, request.sampling, context, model=request.model,
+                                              operation="text_completion"):
             yield response
 
     async def Chat(
@@ -70,7 +76,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             ids = self.text.encode_chat([{"role": m.role, "content": m.content} for m in request.messages])
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        async for response in self._generate(ids, request.sampling, context, model=request.model):
+        async for response in self._generate(ids, request.sampling, context, model=request.model, operation="chat"):
             yield response
 
     async def _generate(
@@ -80,6 +86,34 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         context: grpc.aio.ServicerContext,
         *,
         model: str,
+        operation: str,
+    ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
+        """One request under its telemetry: its span and latencies cover every way it can end."""
+        sequence_id = uuid.uuid4().hex
+        observed = self.telemetry.request(context.invocation_metadata(), operation=operation,
+                                          prompt_tokens=len(ids), sequence_id=sequence_id)
+        try:
+            async for response in self._serve(ids, params, context, model=model, sequence_id=sequence_id,
+                                              observed=observed):
+                yield response
+        except grpc.aio.AbortError:
+            observed.failed(context.code().name, context.details())
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            observed.failed("CANCELLED", "the client went away", cancelled=True)
+            raise
+        finally:
+            observed.end()
+
+    async def _serve(
+        self,
+        ids: list[int],
+        params: common_pb2.SamplingParams,
+        context: grpc.aio.ServicerContext,
+        *,
+        model: str,
+        sequence_id: str,
+        observed: RequestTelemetry,
     ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
         served = {self.model_name} | {c.workers[0].model_id for c in self.cluster.chains}
         if model and model not in served:
@@ -91,6 +125,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             sampling, max_tokens, stop = self._sampling(params)
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        observed.set_sampling(sampling, max_tokens=max_tokens)
         if len(ids) + max_tokens > self.admission.max_context:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -111,13 +146,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             self.queued -= 1
         self.active += 1
         gen = Generation(
-            sequence_id=uuid.uuid4().hex,
+            sequence_id=sequence_id,
             prompt_ids=ids,
             sampling=sampling,
             limits=Limits(max_tokens=max_tokens, max_context=self.admission.max_context),
             text=self.text,
             stop=stop,
+            on_token_at=observed.on_token,
         )
+        observed.admitted(gen.sequence)
         try:
             try:
                 self.cluster.place(gen.sequence)
@@ -127,6 +164,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 if isinstance(event, Delta):
                     yield _delta(event)
                 elif isinstance(event, Finished):
+                    observed.finished(event.reason)
                     yield coordinator_pb2.GenerateResponse(
                         finish_reason=FINISH[event.reason],
                         usage=coordinator_pb2.Usage(

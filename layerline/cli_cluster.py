@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .cli_support import HelpFormatter, Subcommands, reported_as_errors
+from .cli_support import HelpFormatter, Subcommands, add_telemetry_flags, reported_as_errors, telemetry_settings
 
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
@@ -25,16 +25,21 @@ def _cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel ranks per stage (default: 1)")
     p.add_argument("--port", type=int, default=7070, metavar="P", help="coordinator port (default: 7070)")
     p.add_argument("--kv-memory", default="256M", metavar="SIZE", help="KV pool per stage worker (default: 256M)")
+    add_telemetry_flags(p, metrics_port_help="serve Prometheus metrics from every process: the coordinator "
+                                             "on port P, the stage workers on P+1, P+2, ... (printed at start) "
+                                             "(default: 0, no metrics)")
 
 
 def _start_cluster(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from layerline.launcher import ClusterPlan, LocalCluster
     from layerline.model_store import ModelStoreError, resolve_model
 
+    telemetry_settings(args, host="127.0.0.1")  # a bad flag fails here, before any process starts
     with reported_as_errors(ModelStoreError, ValueError):
         checkpoint = resolve_model(args.model)
         plan = ClusterPlan(model=str(checkpoint), stages=args.stages, replicas=args.replicas, tp=args.tp,
-                           dtype=args.dtype, port=args.port, kv_memory=args.kv_memory)
+                           dtype=args.dtype, port=args.port, kv_memory=args.kv_memory, trace=args.trace,
+                           otlp_endpoint=args.otlp_endpoint, metrics_port=args.metrics_port)
         cluster = LocalCluster(plan, checkpoint)  # checks the split before anything starts
     print(f"starting {args.replicas} x {args.stages} stage workers of {args.tp} rank(s) and a coordinator "
           f"(logs in {cluster.log_dir}) ...", file=sys.stderr, flush=True)
@@ -47,6 +52,12 @@ def _start_cluster(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         raise
     for chain in status.chains:
         print(f"  chain {chain.replica}: {' -> '.join(chain.addresses)}", file=sys.stderr)
+    for name, port in cluster.metrics_ports.items():
+        print(f"  metrics of {name}: http://{cluster.plan.host}:{port}/metrics", file=sys.stderr)
+    if args.trace != "off":
+        where = ("each process's log" if args.trace == "console"
+                 else args.otlp_endpoint or "the OTEL_EXPORTER_OTLP_* endpoint")
+        print(f"  traces: {args.trace}, to {where}", file=sys.stderr)
     return cluster
 
 

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from .cli_support import HelpFormatter, Subcommands, configure_logging, reported_as_errors
+from .cli_support import (
+    HelpFormatter,
+    Subcommands,
+    add_telemetry_flags,
+    configure_logging,
+    reported_as_errors,
+    telemetry_settings,
+)
 
 # --- layerline stage ... -------------------------------------------------------------------
 
@@ -39,6 +46,7 @@ def _run_stage(args: argparse.Namespace) -> int:
         tp_rank=args.tp_rank,
         tp_master=args.tp_master,
         stage_args=_follower_args(args),
+        telemetry=telemetry_settings(args, host=args.host),
     )
     with reported_as_errors(ConfigError, CheckpointError, ModelStoreError, ValueError, OSError):
         return run_stage(settings)
@@ -93,6 +101,9 @@ def add_stage_commands(commands: Subcommands) -> None:
     stage.add_argument("--tp-timeout", type=float, default=10.0, metavar="S",
                        help="a rank that dies or hangs fails the whole stage within about S seconds "
                             "(default: 10)")
+    add_telemetry_flags(stage, metrics_port_help="serve Prometheus metrics (step time, hop bytes and transfer "
+                                                 "time, KV blocks, pipeline bubble) at http://HOST:P/metrics "
+                                                 "(default: 0, no metrics)")
     stage.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)
     stage.add_argument("--tp-master", help=argparse.SUPPRESS)
     stage.set_defaults(handler=_run_stage)
@@ -109,7 +120,7 @@ def _run_coordinator(args: argparse.Namespace) -> int:
     settings = CoordinatorSettings(
         model=args.model, host=args.host, port=args.port, default_max_tokens=args.default_max_tokens,
         max_active=args.max_active, max_queued=args.max_queued, rate_limit=args.rate_limit,
-        token_budget=args.token_budget, depth=args.depth,
+        token_budget=args.token_budget, depth=args.depth, telemetry=telemetry_settings(args, host=args.host),
     )
     with reported_as_errors(ModelStoreError, ValueError, OSError):
         return run_coordinator(settings)
@@ -143,4 +154,7 @@ def add_coordinator_commands(commands: Subcommands) -> None:
                    help="tokens per micro-batch step; longer prompts are prefilled in chunks (default: 512)")
     c.add_argument("--depth", type=int, metavar="N",
                    help="micro-batches in flight per chain (default: the chain's length)")
+    add_telemetry_flags(c, metrics_port_help="serve Prometheus metrics (latency histograms, requests running "
+                                             "and waiting, failovers) at http://HOST:P/metrics (default: 0, "
+                                             "no metrics)")
     c.set_defaults(handler=_run_coordinator)

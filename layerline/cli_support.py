@@ -1,4 +1,5 @@
-"""What every `layerline` command group shares: user-facing errors, help formatting, logging.
+"""What every `layerline` command group shares: user-facing errors, help formatting, logging,
+the telemetry flags.
 
 A failure the user can act on is raised as `CommandError` (or translated to it with
 `reported_as_errors`) and printed by `layerline.cli.main` as `error: ...` with exit code 2 and
@@ -10,7 +11,10 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
+
+if TYPE_CHECKING:
+    from layerline.telemetry import TelemetrySettings
 
 Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 EXIT_USER_ERROR = 2
@@ -49,3 +53,24 @@ def configure_logging() -> None:
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def add_telemetry_flags(p: argparse.ArgumentParser, *, metrics_port_help: str) -> None:
+    """`--trace`, `--otlp-endpoint` and `--metrics-port`, the same for every server command."""
+    p.add_argument("--trace", default="off", choices=("off", "console", "otlp"),
+                   help="export OpenTelemetry traces: off; console (one JSON line per span on stdout); "
+                        "otlp (OTLP over gRPC to --otlp-endpoint, else OTEL_EXPORTER_OTLP_TRACES_ENDPOINT "
+                        "or OTEL_EXPORTER_OTLP_ENDPOINT, else http://localhost:4317) (default: off)")
+    p.add_argument("--otlp-endpoint", metavar="URL",
+                   help="OTLP/gRPC collector for --trace otlp: HOST:PORT or http://HOST:PORT (plaintext), "
+                        "https://HOST:PORT (TLS)")
+    p.add_argument("--metrics-port", type=int, default=0, metavar="P", help=metrics_port_help)
+
+
+def telemetry_settings(args: argparse.Namespace, *, host: str) -> TelemetrySettings:
+    """The settings of parsed telemetry flags; a bad value or combination is a CommandError."""
+    from layerline.telemetry import TelemetrySettings
+
+    with reported_as_errors(ValueError):
+        return TelemetrySettings(trace=args.trace, otlp_endpoint=args.otlp_endpoint,
+                                 metrics_port=args.metrics_port, metrics_host=host)

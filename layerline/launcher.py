@@ -1,9 +1,10 @@
 """`layerline up`: a whole cluster on this machine, each worker and the coordinator its own process.
 
 Owns splitting the layers evenly into stages, dividing the CPU cores between co-located
-workers, starting the coordinator and every stage worker as OS processes, waiting until the
-coordinator reports every chain complete, and stopping every process it started (SIGTERM, then
-SIGKILL after a grace period) however it is left. Imports neither torch nor the model code.
+workers, starting the coordinator and every stage worker as OS processes (the same telemetry
+flags for all, a metrics port each), waiting until the coordinator reports every chain
+complete, and stopping every process it started (SIGTERM, then SIGKILL after a grace period)
+however it is left. Imports neither torch nor the model code.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ class ClusterPlan:
     layer_ranges: tuple[tuple[int, int], ...] | None = None  # explicit (uneven) split; default: even
     coordinator_args: tuple[str, ...] = ()  # extra `layerline coordinator` flags
     threads: int | None = None  # torch threads per stage worker; default: the cores shared out
+    trace: str = "off"  # every process's --trace: off, console or otlp
+    otlp_endpoint: str | None = None  # every process's --otlp-endpoint
+    metrics_port: int = 0  # the coordinator's --metrics-port; stage workers take the next ones; 0: none
 
 
 def split_layers(num_layers: int, stages: int, *, head_weight: float = 0.0) -> list[tuple[int, int]]:
@@ -82,7 +86,12 @@ class LocalCluster:
         self.ranges = list(plan.layer_ranges) if plan.layer_ranges else split_layers(
             config["num_hidden_layers"], plan.stages, head_weight=head_weight(config)
         )
+        workers = len(self.ranges) * plan.replicas
+        if plan.metrics_port and plan.metrics_port + workers > 65535:
+            raise ValueError(f"--metrics-port {plan.metrics_port}: the {workers} stage workers need the ports "
+                             f"up to {plan.metrics_port + workers}, past 65535")
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.metrics_ports: dict[str, int] = {}  # process name -> its Prometheus port, when metrics are on
         self.log_dir = plan.log_dir or Path(os.environ.get("TMPDIR", "/tmp")) / f"layerline-{os.getpid()}"
         self.log_dir.mkdir(parents=True, exist_ok=True)
 
@@ -99,15 +108,29 @@ class LocalCluster:
         workers = len(self.ranges) * p.replicas
         threads = p.threads or max(1, (os.cpu_count() or 1) // (workers * p.tp))
         self._spawn("coordinator", ["coordinator", "--model", str(self.checkpoint), "--host", p.host,
-                                    "--port", str(p.port), *p.coordinator_args], {})
+                                    "--port", str(p.port), *p.coordinator_args, *self._telemetry_args("coordinator")],
+                    {})
         for r in range(p.replicas):
             for start, end in self.ranges:
+                name = f"stage-r{r}-{start}-{end}"
                 args = ["stage", "--model", str(self.checkpoint), "--layers", f"{start}:{end}",
                         "--host", p.host, "--port", str(_free_port(p.host)), "--coordinator", self.address,
-                        "--dtype", p.dtype, "--threads", str(threads), "--kv-memory", p.kv_memory]
+                        "--dtype", p.dtype, "--threads", str(threads), "--kv-memory", p.kv_memory,
+                        *self._telemetry_args(name)]
                 if p.tp > 1:
                     args += ["--tp", str(p.tp)]
-                self._spawn(f"stage-r{r}-{start}-{end}", args, {"OMP_NUM_THREADS": str(threads)})
+                self._spawn(name, args, {"OMP_NUM_THREADS": str(threads)})
+
+    def _telemetry_args(self, name: str) -> list[str]:
+        """The telemetry flags of process `name`; with metrics, each process takes the next port."""
+        p = self.plan
+        args = ["--trace", p.trace]
+        if p.otlp_endpoint:
+            args += ["--otlp-endpoint", p.otlp_endpoint]
+        if p.metrics_port:
+            self.metrics_ports[name] = p.metrics_port + len(self.metrics_ports)
+            args += ["--metrics-port", str(self.metrics_ports[name])]
+        return args
 
     def wait_ready(self, timeout: float = 300.0) -> coordinator_pb2.ClusterStatusResponse:
         deadline = time.monotonic() + timeout

@@ -1,7 +1,8 @@
 """A stage worker process: load the layers, serve them over gRPC, stop cleanly on SIGTERM.
 
 Owns the process's settings (`StageSettings`), model loading and KV pool sizing, the gRPC
-server with the StageWorker and standard health services, and the process lifecycle. Health is
+server with the StageWorker and standard health services, its telemetry, and the process
+lifecycle. Health is
 SERVING only once the weights are loaded and a real one-token forward has run, NOT_SERVING
 while stopping.
 
@@ -28,6 +29,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from layerline.model_store import resolve_model
 from layerline.protos.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, stage_pb2_grpc
 from layerline.rpc import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from layerline.telemetry import Telemetry, TelemetrySettings
 
 from .codec import CodecLimits, dtype_to_wire
 from . import tp_group
@@ -38,6 +40,7 @@ from .hops import NextHops
 from .kv_cache import CacheShape, PagedKVCache
 from .model_config import LayerRange, ModelConfig
 from .servicer import StageServicer, StreamLimits
+from .step_telemetry import StageTelemetry
 from .weights import load_stage, model_id
 
 log = logging.getLogger("layerline.stage")
@@ -71,6 +74,7 @@ class StageSettings:
     tp_rank: int = 0  # set only for the ranks rank 0 starts itself
     tp_master: str | None = None  # rank 0's rendezvous address, for those ranks
     stage_args: tuple[str, ...] = ()  # the command-line arguments, for rank 0 to start the others
+    telemetry: TelemetrySettings = TelemetrySettings()  # traces and Prometheus metrics; off by default
 
     @property
     def max_chunk_bytes(self) -> int:
@@ -180,6 +184,9 @@ class StageWorker:
             loop.add_signal_handler(sig, stop.set)
         await loop.run_in_executor(None, self.load)
         assert self.engine is not None
+        engine = self.engine
+        layers = f"{self.layers.start}:{self.layers.end}"
+        telemetry = Telemetry(s.telemetry, service=f"layerline-stage-{self.layers.start}-{self.layers.end}")
         hops = NextHops(max_message_bytes=s.max_message_bytes)
         self.servicer = StageServicer(
             self.engine,
@@ -193,12 +200,17 @@ class StageWorker:
             ),
             hops=hops,
             worker_info=self.info,
+            telemetry=StageTelemetry.of(
+                telemetry, layers=layers,
+                kv_blocks=lambda: (engine.cache.blocks_total - engine.cache.blocks_free, engine.cache.blocks_free),
+            ),
         )
         proxy.target = self.servicer
         self.state = common_pb2.WORKER_STATE_SERVING
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("layerline.v1.StageWorker", health_pb2.HealthCheckResponse.SERVING)
         log.info("stage %s serving on %s (model id %s, pid %d)", self.layers, self.address, self.model_id, os.getpid())
+        log.info("telemetry: %s", telemetry.describe())
         membership = asyncio.create_task(self._membership(s.coordinator)) if s.coordinator else None
         watch = asyncio.create_task(self._watch_ranks(stop)) if self.followers else None
         await stop.wait()
@@ -218,6 +230,7 @@ class StageWorker:
                 await self.servicer.on_compute_thread(self.engine.stop)  # type: ignore[attr-defined]
             tp_group.stop_followers(self.followers, grace=s.grace_seconds)
         self.servicer.compute.shutdown(wait=False)
+        telemetry.shutdown()  # exports the spans still buffered
         log.info("stopped")
 
     async def _watch_ranks(self, stop: asyncio.Event) -> None:

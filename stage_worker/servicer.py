@@ -7,8 +7,9 @@ the downstream answer with this stage's own per-sequence errors on the way back 
 loop only moves and checks bytes; torch runs on the engine's single compute thread, so the next
 step is received and the previous one sent while this one computes.
 
-Typed failures map to gRPC status codes in one table, `STATUS_OF`. Knows nothing of the model's
-math or of the coordinator's schedule.
+Typed failures map to gRPC status codes in one table, `STATUS_OF`. With telemetry on, each step
+carries a `StepTimes` that the stream's hooks feed; what is measured is `step_telemetry`'s.
+Knows nothing of the model's math or of the coordinator's schedule.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -32,6 +34,7 @@ from .engine import SMALL_STEP_TOKENS, SequenceError, SequenceStep, StageEngine,
 from .hops import NextHops
 from .kv_cache import KVCacheExhausted
 from .ranks import LeadingEngine, RankFailed
+from .step_telemetry import StageTelemetry, StepTimes, StreamTelemetry
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -64,6 +67,7 @@ class _Step:
     header: stage_pb2.StepHeader
     seqs: list[SequenceStep]
     hidden: torch.Tensor | None = None
+    times: StepTimes | None = None  # when telemetry is on
 
 
 class StageServicer(stage_pb2_grpc.StageWorkerServicer):
@@ -75,8 +79,10 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
         limits: StreamLimits,
         hops: NextHops,
         worker_info: Callable[[], common_pb2.WorkerInfo],
+        telemetry: StageTelemetry | None = None,
     ) -> None:
         self.engine = engine
+        self.telemetry = telemetry
         self.model_id = model_id
         self.limits = limits
         self.hops = hops
@@ -123,6 +129,7 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
         )
         outstanding = 0  # steps of this stream received and not yet answered
         reading = True
+        traced = self.telemetry.stream() if self.telemetry is not None else None
 
         def received() -> None:
             nonlocal outstanding
@@ -133,13 +140,18 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
             nonlocal outstanding
             outstanding -= 1
             self.in_flight -= 1
+            if traced is not None:
+                _answered(traced, result)
             answers.put_nowait(result)
             if not reading and outstanding == 0:
                 answers.put_nowait(None)
 
         async def read() -> None:
             try:
-                async for step in self._steps(request_iterator, answer_error=answer, received=received):
+                async for step in self._steps(request_iterator, answer_error=answer, received=received,
+                                              traced=traced):
+                    if step.times is not None:
+                        step.times.ready()
                     future = self._start(step)
                     await ordered.put((step, future))
             finally:
@@ -174,6 +186,8 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
         finally:
             for task in tasks:
                 task.cancel()
+            if traced is not None:
+                traced.close()
 
     async def _steps(
         self,
@@ -181,6 +195,7 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
         *,
         answer_error: Callable[[stage_pb2.StepResult], None],
         received: Callable[[], None],
+        traced: StreamTelemetry | None,
     ) -> AsyncIterator[_Step]:
         """Reassemble steps from frames; a malformed step is answered with its error and skipped."""
         reassembler = Reassembler(limits=self.limits.codec)
@@ -200,13 +215,21 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
                     answer_error(stage_pb2.StepResult(step_id=frame.header.step_id, error=status_of(err)))
                     failed_id = frame.header.step_id
                     continue
+                if traced is not None:
+                    current.times = traced.received(
+                        frame.header.step_id, current.seqs, [s.trace_context for s in frame.header.sequences],
+                        header_bytes=frame.header.ByteSize(),
+                    )
                 if frame.header.HasField("hidden"):  # the whole tensor, in the header
+                    started = time.perf_counter()
                     try:
                         current.hidden = _hidden_states(reassembler, frame.header.hidden, whole=True)
                     except FrameError as err:
                         answer_error(stage_pb2.StepResult(step_id=frame.header.step_id, error=status_of(err)))
                         failed_id, current = frame.header.step_id, None
                         continue
+                    if current.times is not None:  # its bytes were counted with the header's
+                        current.times.chunk(0, time.perf_counter() - started)
                 if self.engine.is_first or current.hidden is not None:
                     yield current
                     current = None
@@ -217,6 +240,7 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
                         answer_error(_error_result(None, "hidden_chunk frame without a step header before it"))
                         failed_id = 0
                     continue
+                started = time.perf_counter()
                 try:
                     tensor = _hidden_states(reassembler, frame.hidden_chunk, whole=False)
                 except FrameError as err:
@@ -224,6 +248,8 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
                     failed_id, current = current.header.step_id, None
                     reassembler.reset()
                     continue
+                if current.times is not None:
+                    current.times.chunk(frame.ByteSize(), time.perf_counter() - started)
                 if tensor is not None:
                     current.hidden = tensor
                     yield current
@@ -247,9 +273,10 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
         return [_sequence_step(s, last=self.engine.is_last) for s in header.sequences]
 
     def _run(self, step: _Step) -> StepOutput:
-        for sid in step.header.release_sequence_ids:
-            self.engine.release(sid)
-        return self.engine.run(step.seqs, step.hidden)
+        with step.times.computing() if step.times is not None else nullcontext():
+            for sid in step.header.release_sequence_ids:
+                self.engine.release(sid)
+            return self.engine.run(step.seqs, step.hidden)
 
     async def _deliver(
         self, step: _Step, out: StepOutput, answer: Callable[[stage_pb2.StepResult], None]
@@ -269,6 +296,7 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
         )
         assert out.hidden is not None or not out.kept
         hidden = out.hidden if out.hidden is not None else torch.empty(0, self.engine.config.hidden_size)
+        started = time.perf_counter()
         chunks = list(chunk(hidden, self.limits.max_chunk_bytes))
         frames: list[stage_pb2.StepFrame] = []
         size = header.ByteSize() + chunks[0].ByteSize() + FRAME_OVERHEAD_BYTES
@@ -276,6 +304,10 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
             header.hidden.CopyFrom(chunks[0])
         else:
             frames = [stage_pb2.StepFrame(hidden_chunk=c) for c in chunks]
+        if step.times is not None:  # each request's hop span goes into its carrier; frames are counted
+            carriers = ((s.sequence_id, s.trace_context) for s in header.sequences)
+            frames = step.times.forwarding(step.header.route[0], carriers, frames, header_size=header.ByteSize,
+                                           serialize_seconds=time.perf_counter() - started)
 
         def deliver(result: stage_pb2.StepResult) -> None:
             if result.HasField("error") and result.error.code:
@@ -294,6 +326,8 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
         released = await self.on_compute_thread(
             lambda: sum(self.engine.release(s) for s in request.sequence_ids)
         )
+        if self.telemetry is not None:
+            self.telemetry.released()
         return stage_pb2.ReleaseResponse(released=released, kv_blocks_free=self.engine.cache.blocks_free)
 
     async def Info(
@@ -363,6 +397,15 @@ def _merge(
         elif sid in down:
             result.sequences.append(down[sid])
     return result
+
+
+def _answered(traced: StreamTelemetry, result: stage_pb2.StepResult) -> None:
+    """Tell the stream's telemetry that a step's answer went up, and what failed in it."""
+    traced.answered(
+        result.step_id,
+        error=result.error.message if result.error.code else None,
+        sequence_errors={r.sequence_id: r.error.message for r in result.sequences if r.error.code},
+    )
 
 
 def _error_result(step: _Step | None, message: str) -> stage_pb2.StepResult:

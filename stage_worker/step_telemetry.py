@@ -1,0 +1,319 @@
+"""What a stage worker measures: each step's phases, each request's span on this hop, the gauges.
+
+Owns
+- `StepTimes`: the clock of one step through this stage: its header's arrival, the bytes and
+  decode time of its hidden states, its wait for the compute thread, compute, serialization and
+  the write to the next hop, and its answer going back up. When tracing, each request in the
+  step whose carrier holds a sampled context gets its own span on this hop, `stage START:END`
+  (kind SERVER), a child of that request's span on the hop before; its context replaces the
+  carrier in the step this stage forwards, so the next hop's span is its child in turn. The span
+  runs from the header's arrival to the answer, and carries the step's figures as attributes.
+- `StreamTelemetry`: the steps of one upstream Step stream not answered yet, by step id.
+- `StageTelemetry`: the stage's tracer and instruments, and the gauges read at each scrape:
+  KV blocks used and free, and the pipeline bubble fraction (`BusyClock`).
+
+The servicer hands in plain values (ids, carrier maps, sizes, messages of errors); this module
+never reads a wire message. Knows nothing of the model or tensors.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
+from contextlib import contextmanager
+from typing import Protocol, TypeVar
+
+from opentelemetry import propagate
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_context
+
+from layerline.telemetry import BYTES_BUCKETS, SECONDS_BUCKETS, Telemetry
+
+from .engine import SequenceStep
+
+
+class _Frame(Protocol):
+    def ByteSize(self) -> int: ...
+
+
+F = TypeVar("F", bound=_Frame)
+
+
+class BusyClock:
+    """How long the stage held live sequences, and how much of that its compute thread sat idle.
+
+    A stage is *active* while its KV cache holds any sequence (requests are in progress through
+    it) and *busy* while a step computes. Idle time while active is the pipeline bubble: requests
+    wait, and this stage has nothing to run. Updated from the compute thread, read at scrapes.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._at = clock()
+        self._busy = False
+        self._active = False
+        self.active_seconds = 0.0
+        self.bubble_seconds = 0.0  # idle while active
+        self._seen = (0.0, 0.0)  # (active, bubble) at the last `fraction()`
+
+    def set(self, *, busy: bool, active: bool) -> None:
+        with self._lock:
+            self._advance()
+            self._busy, self._active = busy, active
+
+    def set_active(self, active: bool) -> None:
+        with self._lock:
+            self._advance()
+            self._active = active
+
+    def _advance(self) -> None:
+        now = self._clock()
+        if self._active:
+            self.active_seconds += now - self._at
+            if not self._busy:
+                self.bubble_seconds += now - self._at
+        self._at = now
+
+    def totals(self) -> tuple[float, float]:
+        """(active, bubble) seconds since start."""
+        with self._lock:
+            self._advance()
+            return self.active_seconds, self.bubble_seconds
+
+    def fraction(self) -> float:
+        """Bubble share of the active time since the previous call (0 when it was never active)."""
+        with self._lock:
+            self._advance()
+            (seen_active, seen_bubble), self._seen = self._seen, (self.active_seconds, self.bubble_seconds)
+            active, bubble = self.active_seconds - seen_active, self.bubble_seconds - seen_bubble
+        return bubble / active if active > 0 else 0.0
+
+
+class StageTelemetry:
+    """A stage's tracer, instruments and gauges; None stands for all of it being off."""
+
+    def __init__(self, telemetry: Telemetry, *, layers: str, kv_blocks: Callable[[], tuple[int, int]]) -> None:
+        """`kv_blocks()` gives (used, free) KV blocks, read at scrapes and after compute."""
+        self.tracer = telemetry.tracer
+        self.span_name = f"stage {layers}"
+        self.layers = layers
+        self.kv_blocks = kv_blocks
+        self.clock = BusyClock()
+        meter = telemetry.meter
+        self.metrics = meter is not None
+        if meter is None:
+            return
+        self.step_seconds = meter.create_histogram(
+            "layerline_stage_step_seconds", unit="s", explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
+            description="Compute time of one step on this stage")
+        self.queue_seconds = meter.create_histogram(
+            "layerline_stage_queue_seconds", unit="s", explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
+            description="Time a received step waited for this stage's compute thread")
+        self.hop_bytes = meter.create_histogram(
+            "layerline_hop_bytes", unit="By", explicit_bucket_boundaries_advisory=BYTES_BUCKETS,
+            description="Bytes of one step's frames received from the hop before (direction=received) "
+                        "or sent to the next hop (direction=sent)")
+        self.hop_seconds = meter.create_histogram(
+            "layerline_hop_transfer_seconds", unit="s", explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
+            description="Time to write one step's frames to the next hop, serialization excluded")
+        labels = {"layers": layers}
+
+        def gauge(read: Callable[[], float]) -> list[Callable[[CallbackOptions], Iterable[Observation]]]:
+            return [lambda options: [Observation(read(), labels)]]
+
+        meter.create_observable_gauge("layerline_kv_blocks_used", gauge(lambda: kv_blocks()[0]), unit="{block}",
+                                      description="KV cache blocks holding sequences")
+        meter.create_observable_gauge("layerline_kv_blocks_free", gauge(lambda: kv_blocks()[1]), unit="{block}",
+                                      description="KV cache blocks free")
+        meter.create_observable_gauge(
+            "layerline_pipeline_bubble_fraction", gauge(self.clock.fraction), unit="1",
+            description="Share of the time this stage held live sequences but computed nothing, "
+                        "since the previous scrape")
+        meter.create_observable_counter(
+            "layerline_stage_active_seconds", gauge(lambda: self.clock.totals()[0]), unit="s",
+            description="Time this stage held live sequences")
+        meter.create_observable_counter(
+            "layerline_stage_bubble_seconds", gauge(lambda: self.clock.totals()[1]), unit="s",
+            description="Time this stage held live sequences but computed nothing")
+
+    @classmethod
+    def of(cls, telemetry: Telemetry, *, layers: str, kv_blocks: Callable[[], tuple[int, int]]) -> StageTelemetry | None:
+        """The stage's telemetry, or None when both tracing and metrics are off."""
+        if telemetry.tracer is None and telemetry.meter is None:
+            return None
+        return cls(telemetry, layers=layers, kv_blocks=kv_blocks)
+
+    def stream(self) -> StreamTelemetry:
+        return StreamTelemetry(self)
+
+    def released(self) -> None:
+        """Sequences were released outside a step: the stage may have become inactive."""
+        self.clock.set_active(self.kv_blocks()[0] > 0)
+
+
+class StreamTelemetry:
+    """The steps of one upstream Step stream, from their header's arrival to their answer."""
+
+    def __init__(self, stage: StageTelemetry) -> None:
+        self.stage = stage
+        self._open: dict[int, StepTimes] = {}
+
+    def received(self, step_id: int, seqs: Sequence[SequenceStep], carriers: Sequence[Mapping[str, str]], *,
+                 header_bytes: int) -> StepTimes:
+        """A step's header arrived; `carriers[i]` is the trace carrier of `seqs[i]`."""
+        times = self._open[step_id] = StepTimes(self.stage, seqs, carriers, header_bytes=header_bytes)
+        return times
+
+    def answered(self, step_id: int, *, error: str | None, sequence_errors: Mapping[str, str]) -> None:
+        """The step's answer went up: `error` failed all of it, `sequence_errors` some sequences."""
+        times = self._open.pop(step_id, None)
+        if times is not None:
+            times.end(error=error, sequence_errors=sequence_errors)
+
+    def close(self) -> None:
+        """The stream ended: steps never answered end their spans as failed."""
+        for times in self._open.values():
+            times.end(error="the Step stream closed before the step was answered", sequence_errors={})
+        self._open.clear()
+
+
+class StepTimes:
+    """One step through this stage (perf_counter seconds) and its requests' hop spans."""
+
+    def __init__(self, stage: StageTelemetry, seqs: Sequence[SequenceStep], carriers: Sequence[Mapping[str, str]],
+                 *, header_bytes: int) -> None:
+        self.stage = stage
+        self.arrived = time.perf_counter()
+        self.ready_at = self.arrived  # all of its hidden states are in
+        self.compute_started = self.compute_ended = 0.0
+        self.sequences = len(seqs)
+        self.tokens = sum(s.num_tokens for s in seqs)
+        self.bytes_received = header_bytes
+        self.deserialize_seconds = 0.0
+        self.bytes_sent = 0
+        self.serialize_seconds = 0.0
+        self.send_seconds = 0.0
+        self.next_hop = ""  # set when the step is forwarded
+        self._send_started = 0.0
+        self._sent = False
+        self.spans: dict[str, Span] = {}
+        if stage.tracer is None:
+            return
+        start = time.time_ns()
+        for seq, carrier in zip(seqs, carriers):
+            if not carrier:
+                continue
+            span = stage.tracer.start_span(
+                stage.span_name, context=propagate.extract(carrier), kind=SpanKind.SERVER, start_time=start,
+                attributes={
+                    "layerline.stage.layers": stage.layers,
+                    "layerline.sequence.tokens": seq.num_tokens,
+                    "layerline.sequence.first_position": seq.positions[0] if seq.positions else 0,
+                },
+            )
+            if span.is_recording():  # the sampler may decline a request (OTEL_TRACES_SAMPLER)
+                self.spans[seq.sequence_id] = span
+
+    def chunk(self, nbytes: int, seconds: float) -> None:
+        """A chunk of the step's hidden states arrived: its size and decode time."""
+        self.bytes_received += nbytes
+        self.deserialize_seconds += seconds
+
+    def ready(self) -> None:
+        """The step is whole and queued for the compute thread."""
+        self.ready_at = time.perf_counter()
+        if self.stage.metrics:
+            self.stage.hop_bytes.record(self.bytes_received, {"layers": self.stage.layers, "direction": "received"})
+
+    @contextmanager
+    def computing(self) -> Iterator[None]:
+        """Around the step's compute, on the compute thread."""
+        stage = self.stage
+        self.compute_started = time.perf_counter()
+        stage.clock.set(busy=True, active=True)
+        try:
+            yield
+        finally:
+            self.compute_ended = time.perf_counter()
+            stage.clock.set(busy=False, active=stage.kv_blocks()[0] > 0)
+            if stage.metrics:
+                labels = {"layers": stage.layers}
+                stage.step_seconds.record(self.compute_ended - self.compute_started, labels)
+                stage.queue_seconds.record(self.compute_started - self.ready_at, labels)
+
+    def forwarding(self, next_hop: str, carriers: Iterable[tuple[str, MutableMapping[str, str]]],
+                   frames: Iterable[F], *, header_size: Callable[[], int],
+                   serialize_seconds: float = 0.0) -> Iterator[F]:
+        """The step is about to go to `next_hop`: each request's carrier gets its span here.
+
+        `carriers` are the forwarded step's (sequence id, carrier) pairs; `serialize_seconds`
+        what encoding its hidden states took so far. Returns `frames`, timed as they are
+        serialized and counted as they are written; `header_size()` (the header carries the
+        hidden states when they fit in one message) is read once the header went out. When the
+        writer asks for a frame past the last, all are written.
+        """
+        self.serialize_seconds = serialize_seconds
+        for sequence_id, carrier in carriers:
+            span = self.spans.get(sequence_id)
+            if span is not None:
+                carrier.clear()
+                propagate.inject(carrier, context=set_span_in_context(span))
+        self.next_hop = next_hop
+        self._send_started = time.perf_counter() - serialize_seconds  # when encoding began
+        return self._timed(frames, header_size)
+
+    def _timed(self, frames: Iterable[F], header_size: Callable[[], int]) -> Iterator[F]:
+        self.bytes_sent = header_size()  # read once the header went out, with the hop's step id
+        it = iter(frames)
+        while True:
+            start = time.perf_counter()
+            frame = next(it, None)
+            self.serialize_seconds += time.perf_counter() - start
+            if frame is None:
+                self._written()
+                return
+            self.bytes_sent += frame.ByteSize()
+            yield frame
+
+    def _written(self) -> None:
+        if self._sent:
+            return
+        self._sent = True
+        self.send_seconds = time.perf_counter() - self._send_started - self.serialize_seconds
+        if self.stage.metrics:
+            labels = {"layers": self.stage.layers, "peer": self.next_hop}
+            self.stage.hop_bytes.record(self.bytes_sent, {**labels, "direction": "sent"})
+            self.stage.hop_seconds.record(self.send_seconds, labels)
+
+    def end(self, *, error: str | None, sequence_errors: Mapping[str, str]) -> None:
+        """The step's answer went up: its requests' spans end, with the step's figures."""
+        if not self.spans:
+            return
+        end = time.time_ns()
+        attributes: dict[str, str | int | float] = {
+            "layerline.step.sequences": self.sequences,
+            "layerline.step.tokens": self.tokens,
+            "layerline.step.bytes_received": self.bytes_received,
+            "layerline.step.receive_seconds": self.ready_at - self.arrived,
+            "layerline.step.deserialize_seconds": self.deserialize_seconds,
+        }
+        if self.compute_ended:
+            attributes["layerline.step.queue_seconds"] = self.compute_started - self.ready_at
+            attributes["layerline.step.compute_seconds"] = self.compute_ended - self.compute_started
+        if self.next_hop:
+            if error is None:  # an answer came back, so every frame reached the next hop, even if
+                self._written()  # the writer has not yet been told that its last write completed
+            attributes["layerline.next_hop"] = self.next_hop
+            attributes["layerline.step.bytes_sent"] = self.bytes_sent
+            attributes["layerline.step.serialize_seconds"] = self.serialize_seconds
+            if self._sent:
+                attributes["layerline.step.send_seconds"] = self.send_seconds
+        for sequence_id, span in self.spans.items():
+            span.set_attributes(attributes)
+            failure = error or sequence_errors.get(sequence_id)
+            if failure:
+                span.set_status(Status(StatusCode.ERROR, failure))
+            span.end(end_time=end)
+        self.spans = {}
