@@ -110,11 +110,13 @@ class Generation:
         if emit or self._pending_ids:
             self._emit(emit)
         self.finished = True
+        self.sequence.done = True  # no further step is planned for it, even before it is released
         self._events.put_nowait(Finished(reason, len(self.prompt_ids), len(self.sequence.generated)))
 
     def _on_error(self, code: int, message: str) -> None:
         if not self.finished:
             self.finished = True
+            self.sequence.done = True
             self._events.put_nowait(Failed(code, message))
 
     def fail(self, code: int, message: str) -> None:

@@ -230,10 +230,9 @@ def _check_request_trace(run: TracedRun, request: ReceivedSpan, completion: Comp
     spans = _trace_of(run, request)
     steps, first, last = spans["step"], spans["stage 0:2"], spans["stage 2:4"]
     assert set(spans) == {request.name, "step", "stage 0:2", "stage 2:4"}
-    # One step per generated token (the prompt's step samples the first), each seen on both hops.
-    # A decode step may already be planned when the last token finishes the request: its token
-    # is dropped, and the trace shows it too.
-    assert len(steps) == len(first) == len(last) >= completion.usage.completion_tokens
+    # One step per generated token (the prompt's step samples the first), each seen on both hops;
+    # none after the token that finishes the request.
+    assert len(steps) == len(first) == len(last) == completion.usage.completion_tokens
     assert {s.service for s in steps} == {"layerline-coordinator"}
     assert {s.service for s in first} == {"layerline-stage-0-2"}
     assert {s.service for s in last} == {"layerline-stage-2-4"}
