@@ -135,7 +135,7 @@ def _show(value: object) -> str:
     return f"{value:.1f} tok/s"
 
 
-def run_bench(checkpoint: Path, *, dtype: str = "float32", new_tokens: int = 64, rounds: int = 3,
+def run_bench(checkpoint: Path, *, dtype: str = "float32", new_tokens: int = 64, rounds: int = 5,
               port: int = 7179, json_path: Path | None = None) -> BenchResult:
     threads = os.cpu_count() or 1
     result = BenchResult(model=checkpoint.name, dtype=dtype, threads=threads, new_tokens=new_tokens, rounds=rounds)

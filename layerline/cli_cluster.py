@@ -207,8 +207,8 @@ def add_cluster_commands(commands: Subcommands) -> None:
     )
     _model_flags(bench)
     bench.add_argument("--new-tokens", type=int, default=64, metavar="N", help="tokens per stream (default: 64)")
-    bench.add_argument("--rounds", type=int, default=3, metavar="N",
-                       help="interleaved rounds; the median of each figure is kept (default: 3)")
+    bench.add_argument("--rounds", type=int, default=5, metavar="N",
+                       help="interleaved rounds; the median of each figure is kept (default: 5)")
     bench.add_argument("--port", type=int, default=7179, metavar="P",
                        help="the clusters' coordinators use P+1 and P+2 (default: 7179)")
     bench.add_argument("--json", type=Path, metavar="FILE", help="also write the figures to FILE")
