@@ -33,6 +33,7 @@ from layerline.telemetry import SECONDS_BUCKETS, Telemetry
 
 from .scheduler import Outcome, PlannedStep, Sequence, StepFailed
 
+
 @dataclass(frozen=True)
 class _Instruments:
     time_to_first_token: Histogram
