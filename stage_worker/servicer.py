@@ -1,11 +1,12 @@
 """The StageWorker gRPC service: frames in, engine steps, frames out to the next hop.
 
-Owns the Step stream protocol: reassembling each step (one header frame, then the chunks of its
-hidden states), handing it to the engine on the compute thread in arrival order, sending the
-result down the route (or, on the last stage, answering with the sampled tokens), and merging
-the downstream answer with this stage's own per-sequence errors on the way back up. The asyncio
-loop only moves and checks bytes; torch runs on the engine's single compute thread, so the next
-step is received and the previous one sent while this one computes.
+Owns the Step stream protocol: reassembling each step (a header frame, carrying the hidden
+states itself when they fit in one message, else followed by their chunks), handing it to the
+engine in arrival order, sending the result down the route (or, on the last stage, answering
+with the sampled tokens), and merging the downstream answer with this stage's own per-sequence
+errors on the way back up. Torch runs on the engine's single compute thread, so the next step is
+received and the previous one sent while this one computes; the one exception is a step of a
+few tokens alone on the stage, which runs on the event loop (nothing else waits on it then).
 
 Typed failures map to gRPC status codes in one table, `STATUS_OF`. With telemetry on, each step
 carries a `StepTimes` that the stream's hooks feed; what is measured is `step_telemetry`'s.
