@@ -166,7 +166,8 @@ def add_cluster_commands(commands: Subcommands) -> None:
     up = commands.add_parser(
         "up", help="start a whole cluster on this machine",
         description="Start a coordinator and stages x replicas stage workers, each its own OS "
-                    "process, layers split evenly; print the address when every chain is ready; "
+                    "process, layers split into ranges of about equal work (the last stage, which also "
+                    "runs the LM head, takes fewer); print the address when every chain is ready; "
                     "stop every process on Ctrl-C or SIGTERM.",
         formatter_class=HelpFormatter,
     )
