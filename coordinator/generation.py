@@ -58,8 +58,6 @@ class Generation:
     limits: Limits
     text: TextModel
     stop: list[str] = field(default_factory=list)
-    started: float = field(default_factory=time.monotonic)
-    first_token_at: float | None = None
     on_token_at: Callable[[float], None] | None = None  # called with each new token's time (telemetry)
 
     def __post_init__(self) -> None:
@@ -80,11 +78,8 @@ class Generation:
     def _on_token(self, token_id: int, logprob: float | None, top: list[tuple[int, float]]) -> None:
         if self.finished:
             return
-        now = time.monotonic()
-        if self.first_token_at is None:
-            self.first_token_at = now
         if self.on_token_at is not None:
-            self.on_token_at(now)
+            self.on_token_at(time.monotonic())
         generated = len(self.sequence.generated)
         self._pending_ids.append(token_id)
         if self.sampling.logprobs is not None:
