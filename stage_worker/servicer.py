@@ -300,8 +300,9 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
         started = time.perf_counter()
         chunks = list(chunk(hidden, self.limits.max_chunk_bytes))
         frames: list[stage_pb2.StepFrame] = []
-        size = header.ByteSize() + chunks[0].ByteSize() + FRAME_OVERHEAD_BYTES
-        if len(chunks) == 1 and size <= self.limits.max_message_bytes:  # one message for the step
+        if len(chunks) == 1 and (  # one message for the step, if the header leaves it room
+            header.ByteSize() + chunks[0].ByteSize() + FRAME_OVERHEAD_BYTES <= self.limits.max_message_bytes
+        ):
             header.hidden.CopyFrom(chunks[0])
         else:
             frames = [stage_pb2.StepFrame(hidden_chunk=c) for c in chunks]
