@@ -6,6 +6,11 @@ span), matching each StepResult to the step that asked, and the
 Release calls that free a sequence's KV on every stage of the chain. When the stream breaks,
 every step waiting on it fails with `StepFailed` naming the hop.
 
+On a chain of several stages it also keeps a Results stream open to the last stage and asks for
+each step's result there (StepHeader.reply): the way back up the chain would cost a message and a
+wake-up per extra stage on every token. When that stream breaks, the steps that were to be
+answered on it fail like those of a broken Step stream, and the next step opens a new one.
+
 Knows nothing of text or of which requests the sequences serve.
 """
 
@@ -14,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import uuid
 
 import grpc
 from opentelemetry.trace import Tracer
@@ -48,6 +54,9 @@ class ChainClient:
         self._ids = itertools.count(1)
         self._lock = asyncio.Lock()
         self._closed = False
+        self._subscriber = uuid.uuid4().hex  # names this chain's Results stream on its last stage
+        self._results: grpc.aio.UnaryStreamCall | None = None
+        self._replies: set[int] = set()  # steps asked to answer on the current Results stream
 
     async def __call__(self, step: PlannedStep) -> list[Outcome]:
         header = stage_pb2.StepHeader(
@@ -81,6 +90,12 @@ class ChainClient:
         future: asyncio.Future[stage_pb2.StepResult] = asyncio.get_running_loop().create_future()
         async with self._lock:
             self._pending[header.step_id] = future
+            if len(self.addresses) > 1:
+                self._ensure_results()
+                header.reply.subscriber = self._subscriber
+                header.reply.step_id = header.step_id
+                self._replies.add(header.step_id)
+            replies = self._replies
             try:
                 await self._stream().write(stage_pb2.StepFrame(header=header))
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as err:
@@ -93,6 +108,8 @@ class ChainClient:
             self._pending.pop(header.step_id, None)
             raise StepFailed(DEADLINE_EXCEEDED, f"chain {' -> '.join(self.addresses)} did not answer a step "
                              f"within {STEP_TIMEOUT:.0f}s") from None
+        finally:
+            replies.discard(header.step_id)  # answered, either way
         if result.error.code:
             raise StepFailed(result.error.code, result.error.message,
                              failed_address=result.failed_address or self.addresses[0])
@@ -124,6 +141,8 @@ class ChainClient:
         reason = f"stage {self.addresses[0]} closed the Step stream"
         try:
             async for result in call:
+                if result.replied:  # an acknowledgement; the first stage keeps these
+                    continue
                 future = pending.pop(result.step_id, None)
                 if future is not None and not future.done():
                     future.set_result(result)
@@ -138,6 +157,31 @@ class ChainClient:
             if not future.done():
                 future.set_result(failure)
         pending.clear()
+
+    def _ensure_results(self) -> None:
+        if self._results is None or self._results.done():
+            stub = stage_pb2_grpc.StageWorkerStub(self._channels[self.addresses[-1]])
+            self._results = stub.Results(stage_pb2.ResultsRequest(subscriber=self._subscriber))
+            self._replies = set()
+            asyncio.get_running_loop().create_task(self._read_results(self._results, self._replies))
+
+    async def _read_results(self, call: grpc.aio.UnaryStreamCall, replies: set[int]) -> None:
+        reason = f"stage {self.addresses[-1]} closed the Results stream"
+        try:
+            async for result in call:
+                future = self._pending.pop(result.step_id, None)
+                if future is not None and not future.done():
+                    future.set_result(result)
+        except grpc.aio.AioRpcError as err:
+            reason = f"stage {self.addresses[-1]} failed: {err.code().name}: {err.details()}"
+        failure = stage_pb2.StepResult(
+            error=common_pb2.Status(code=UNAVAILABLE, message=reason), failed_address=self.addresses[-1]
+        )
+        for step_id in replies:
+            future = self._pending.pop(step_id, None)
+            if future is not None and not future.done():
+                future.set_result(failure)
+        replies.clear()
 
     async def release(self, sequence_ids: list[str]) -> None:
         """Free the sequences' KV on every stage of the chain; best effort, failures logged."""
@@ -154,8 +198,9 @@ class ChainClient:
 
     async def close(self) -> None:
         self._closed = True
-        if self._call is not None:
-            self._call.cancel()
+        for call in (self._call, self._results):
+            if call is not None:
+                call.cancel()
         for channel in self._channels.values():
             await channel.close()
 

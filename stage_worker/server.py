@@ -311,6 +311,11 @@ class _UntilLoaded(stage_pb2_grpc.StageWorkerServicer):
         async for result in target.Step(request_iterator, context):
             yield result
 
+    async def Results(self, request, context):  # type: ignore[no-untyped-def]
+        target = await self._loaded(context)
+        async for result in target.Results(request, context):
+            yield result
+
     async def Release(self, request, context):  # type: ignore[no-untyped-def]
         return await (await self._loaded(context)).Release(request, context)
 

@@ -40,6 +40,8 @@ from .step_telemetry import StageTelemetry, StepTimes, StreamTelemetry
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 FRAME_OVERHEAD_BYTES = 32  # field tags and lengths around a header and its hidden chunk
+MAX_SUBSCRIBER_BYTES = 128
+MAX_UNSENT_RESULTS = 256  # direct results waiting on one Results stream; beyond, they are dropped
 
 STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     FrameError: grpc.StatusCode.INVALID_ARGUMENT,
@@ -96,6 +98,7 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
         # with no other step in flight the loop has no answer to relay meanwhile. Tensor-
         # parallel rank 0 always uses the compute thread, shared with the keepalive collective.
         self.inline_small_steps = not isinstance(engine, LeadingEngine)
+        self._subscribers: dict[str, asyncio.Queue[stage_pb2.StepResult]] = {}  # open Results streams
 
     def on_compute_thread(self, fn: Callable[[], T]) -> asyncio.Future[T]:
         """Run `fn` on the compute thread, after everything submitted before it."""
@@ -143,7 +146,8 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
             self.in_flight -= 1
             if traced is not None:
                 _answered(traced, result)
-            answers.put_nowait(result)
+            if not (result.replied and self.engine.is_first):  # the coordinator has the result
+                answers.put_nowait(result)
             if not reading and outstanding == 0:
                 answers.put_nowait(None)
 
@@ -267,6 +271,10 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
             raise StepInputError(
                 f"step carries {len(header.sequences)} sequences, above the limit of {self.limits.max_sequences}"
             )
+        ids = [s.sequence_id for s in header.sequences]
+        if len(set(ids)) < len(ids):
+            twice = next(i for i in ids if ids.count(i) > 1)
+            raise StepInputError(f"sequence {twice!r} appears twice in one step")
         if self.engine.is_last and header.route:
             raise StepInputError("route must be empty at the last stage")
         if not self.engine.is_last and not header.route:
@@ -285,7 +293,11 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
         order = [s.sequence_id for s in step.seqs]
         local = {e.sequence_id: e for e in out.errors}
         if self.engine.is_last:
-            answer(_merge(step.header.step_id, order, local, _draw_results(step, out)))
+            result = _merge(step.header.step_id, order, local, _draw_results(step, out))
+            if step.header.HasField("reply") and self._reply(step.header.reply, result):
+                answer(stage_pb2.StepResult(step_id=step.header.step_id, replied=True))
+            else:
+                answer(result)
             return
         kept = {s.sequence_id for s in out.kept}
         header = stage_pb2.StepHeader(
@@ -295,6 +307,8 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
             route=step.header.route[1:],
             release_sequence_ids=step.header.release_sequence_ids,
         )
+        if step.header.HasField("reply") and len(header.sequences) == len(step.header.sequences):
+            header.reply.CopyFrom(step.header.reply)  # dropped with a sequence: see stage.proto
         assert out.hidden is not None or not out.kept
         hidden = out.hidden if out.hidden is not None else torch.empty(0, self.engine.config.hidden_size)
         started = time.perf_counter()
@@ -312,15 +326,43 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
                                            serialize_seconds=time.perf_counter() - started)
 
         def deliver(result: stage_pb2.StepResult) -> None:
-            if result.HasField("error") and result.error.code:
+            if result.replied or (result.HasField("error") and result.error.code):
                 answer(result)
                 return
             down = {r.sequence_id: r for r in result.sequences}
             answer(_merge(result.step_id, order, local, down))
 
         await self.hops.get(step.header.route[0]).send(header, frames, deliver=deliver)
+        if step.times is not None:  # this stage's part is done; the result goes to the coordinator
+            step.times.end(error=None, sequence_errors={sid: str(e.error) for sid, e in local.items()})
 
-    # -- Release and Info ---------------------------------------------------------------------
+    def _reply(self, reply: stage_pb2.DirectReply, result: stage_pb2.StepResult) -> bool:
+        """Queue a step's result for the subscriber its header names; False if that cannot be."""
+        queue = self._subscribers.get(reply.subscriber)
+        if queue is None or queue.qsize() >= MAX_UNSENT_RESULTS:
+            return False
+        result.step_id = reply.step_id
+        queue.put_nowait(result)
+        return True
+
+    # -- Results, Release and Info -----------------------------------------------------------
+
+    async def Results(
+        self, request: stage_pb2.ResultsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[stage_pb2.StepResult]:
+        name = request.subscriber
+        if not name or len(name.encode()) > MAX_SUBSCRIBER_BYTES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"subscriber must be 1 to {MAX_SUBSCRIBER_BYTES} bytes, got {len(name.encode())}")
+        queue: asyncio.Queue[stage_pb2.StepResult] = asyncio.Queue()
+        self._subscribers[name] = queue  # a reconnecting subscriber replaces its old stream
+        try:
+            await context.send_initial_metadata(())  # tells the subscriber it is registered
+            while True:
+                yield await queue.get()
+        finally:
+            if self._subscribers.get(name) is queue:
+                del self._subscribers[name]
 
     async def Release(
         self, request: stage_pb2.ReleaseRequest, context: grpc.aio.ServicerContext

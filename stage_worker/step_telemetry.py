@@ -288,7 +288,8 @@ class StepTimes:
             self.stage.hop_seconds.record(self.send_seconds, labels)
 
     def end(self, *, error: str | None, sequence_errors: Mapping[str, str]) -> None:
-        """The step's answer went up: its requests' spans end, with the step's figures."""
+        """This stage is done with the step (sent it on, or answered it): its requests' spans end,
+        with the step's figures. Only the first call counts."""
         if not self.spans:
             return
         end = time.time_ns()

@@ -215,6 +215,9 @@ def test_malformed_frames_get_invalid_argument_and_the_stage_keeps_serving(chain
         assert "unknown sequence id 'ghost'" in errors["ghost"][1]
         assert "start at 7, expected 5" in errors["ok"][1]
         assert "consecutive" in errors["ok2"][1]
+        # One id twice in a step: refused whole, as the rows could not be told apart downstream.
+        twice = stream.step([seq_input("twice", [0], [1]), seq_input("twice", [0], [1])], route=[last.address])
+        assert (twice.error.code, twice.error.message) == (INVALID, "sequence 'twice' appears twice in one step")
         # A repeat of position 4 is refused too; the sequence itself is intact and goes on.
         repeat = stream.step([seq_input("ok", [4], [200])], route=[last.address])
         assert repeat.sequences[0].error.code == INVALID
@@ -224,6 +227,63 @@ def test_malformed_frames_get_invalid_argument_and_the_stage_keeps_serving(chain
         stream.close()
     for stage in chain:
         stage_pb2_grpc.StageWorkerStub(stage.channel).Release(stage_pb2.ReleaseRequest(sequence_ids=["ok"]))
+
+
+def test_last_stage_answers_a_subscriber_directly_and_the_chain_with_an_acknowledgement(chain, oracle):
+    """A step naming a Results stream is answered there; only failures come back along the chain."""
+    first, last = chain
+    results = stage_pb2_grpc.StageWorkerStub(last.channel).Results
+    subscription = results(stage_pb2.ResultsRequest(subscriber="sub"))
+    subscription.initial_metadata()  # registered
+    prompt = PROMPTS["s3"]
+
+    def header(step_id, seqs, reply_id, route=(last.address,)):
+        return [stage_pb2.StepFrame(header=stage_pb2.StepHeader(
+            step_id=step_id, route=list(route), sequences=seqs,
+            reply=stage_pb2.DirectReply(subscriber="sub", step_id=reply_id)))]
+
+    stream = StepStream(first.channel)
+    try:
+        stream.send(header(5, [seq_input("d1", range(len(prompt)), prompt)], 900))
+        direct = next(subscription)
+        assert direct.step_id == 900
+        assert [(r.sequence_id, r.sampled_token_id) for r in direct.sequences] == [("d1", oracle["s3"][0])]
+        # The first stage drops a sequence (its KV does not reach position 3): a direct result
+        # would lack its entry, so the reply is dropped and the chain answers the step whole.
+        stream.send(header(6, [seq_input("d2", [0], [1]), seq_input("d3", [3], [1])], 901))
+        relayed = stream.receive()  # the first thing on the chain's stream: step 5 had no answer here
+        assert relayed.step_id == 6 and not relayed.replied
+        assert [(r.sequence_id, r.error.code) for r in relayed.sequences] == [("d2", 0), ("d3", INVALID)]
+        stream.send(header(7, [seq_input("d1", [len(prompt)], [oracle["s3"][0]])], 902))
+        direct = next(subscription)  # nothing came for 901
+        assert (direct.step_id, direct.sequences[0].sampled_token_id) == (902, oracle["s3"][1])
+    finally:
+        stream.close()
+    # The last stage itself answers its upstream with an acknowledgement, which a middle stage
+    # would pass up; without a subscriber of that name, with the result.
+    stream = StepStream(last.channel)
+    hidden = torch.zeros(1, HIDDEN)
+    try:
+        frames = header(8, [seq_input("d4", [0])], 903, route=())
+        frames[0].header.hidden.CopyFrom(next(chunk(hidden, 1 << 20)))
+        ack = stream.send(frames) or stream.receive()
+        assert (ack.step_id, ack.replied, len(ack.sequences)) == (8, True, 0)
+        assert next(subscription).step_id == 903
+        frames = header(9, [seq_input("d4", [1])], 904, route=())
+        frames[0].header.reply.subscriber = "nobody"
+        frames[0].header.hidden.CopyFrom(next(chunk(hidden, 1 << 20)))
+        full = stream.send(frames) or stream.receive()
+        assert (full.step_id, full.replied, [r.sequence_id for r in full.sequences]) == (9, False, ["d4"])
+    finally:
+        stream.close()
+        subscription.cancel()
+    for stage in chain:
+        stage_pb2_grpc.StageWorkerStub(stage.channel).Release(
+            stage_pb2.ReleaseRequest(sequence_ids=["d1", "d2", "d4"]))
+    with pytest.raises(grpc.RpcError) as err:
+        next(results(stage_pb2.ResultsRequest(subscriber="")))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "subscriber must be 1 to 128 bytes, got 0" in err.value.details()
 
 
 def test_kv_pool_exhaustion_fails_only_the_sequence_that_does_not_fit(ckpt, tmp_path, oracle):

@@ -17,20 +17,30 @@ class StepFrame(_message.Message):
     def __init__(self, header: _Optional[_Union[StepHeader, _Mapping]] = ..., hidden_chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
 
 class StepHeader(_message.Message):
-    __slots__ = ("step_id", "model_id", "sequences", "route", "release_sequence_ids", "hidden")
+    __slots__ = ("step_id", "model_id", "sequences", "route", "release_sequence_ids", "hidden", "reply")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    REPLY_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     model_id: str
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceInput]
     route: _containers.RepeatedScalarFieldContainer[str]
     release_sequence_ids: _containers.RepeatedScalarFieldContainer[str]
     hidden: _tensor_pb2.TensorChunk
-    def __init__(self, step_id: _Optional[int] = ..., model_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[SequenceInput, _Mapping]]] = ..., route: _Optional[_Iterable[str]] = ..., release_sequence_ids: _Optional[_Iterable[str]] = ..., hidden: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
+    reply: DirectReply
+    def __init__(self, step_id: _Optional[int] = ..., model_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[SequenceInput, _Mapping]]] = ..., route: _Optional[_Iterable[str]] = ..., release_sequence_ids: _Optional[_Iterable[str]] = ..., hidden: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., reply: _Optional[_Union[DirectReply, _Mapping]] = ...) -> None: ...
+
+class DirectReply(_message.Message):
+    __slots__ = ("subscriber", "step_id")
+    SUBSCRIBER_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    subscriber: str
+    step_id: int
+    def __init__(self, subscriber: _Optional[str] = ..., step_id: _Optional[int] = ...) -> None: ...
 
 class SequenceInput(_message.Message):
     __slots__ = ("sequence_id", "positions", "token_ids", "sample", "sampling", "history_token_ids", "trace_context")
@@ -58,16 +68,18 @@ class SequenceInput(_message.Message):
     def __init__(self, sequence_id: _Optional[str] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., history_token_ids: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sequences", "error", "failed_address")
+    __slots__ = ("step_id", "sequences", "error", "failed_address", "replied")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     FAILED_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REPLIED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceResult]
     error: _common_pb2.Status
     failed_address: str
-    def __init__(self, step_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ..., error: _Optional[_Union[_common_pb2.Status, _Mapping]] = ..., failed_address: _Optional[str] = ...) -> None: ...
+    replied: bool
+    def __init__(self, step_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ..., error: _Optional[_Union[_common_pb2.Status, _Mapping]] = ..., failed_address: _Optional[str] = ..., replied: _Optional[bool] = ...) -> None: ...
 
 class SequenceResult(_message.Message):
     __slots__ = ("sequence_id", "sampled_token_id", "logprob", "top_logprobs", "error")
@@ -96,6 +108,12 @@ class ReleaseResponse(_message.Message):
     released: int
     kv_blocks_free: int
     def __init__(self, released: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ...) -> None: ...
+
+class ResultsRequest(_message.Message):
+    __slots__ = ("subscriber",)
+    SUBSCRIBER_FIELD_NUMBER: _ClassVar[int]
+    subscriber: str
+    def __init__(self, subscriber: _Optional[str] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ("probe",)

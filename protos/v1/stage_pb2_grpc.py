@@ -50,6 +50,11 @@ class StageWorkerStub:
                 request_serializer=layerline_dot_protos_dot_v1_dot_stage__pb2.InfoRequest.SerializeToString,
                 response_deserializer=layerline_dot_protos_dot_v1_dot_stage__pb2.InfoResponse.FromString,
                 _registered_method=True)
+        self.Results = channel.unary_stream(
+                '/layerline.v1.StageWorker/Results',
+                request_serializer=layerline_dot_protos_dot_v1_dot_stage__pb2.ResultsRequest.SerializeToString,
+                response_deserializer=layerline_dot_protos_dot_v1_dot_stage__pb2.StepResult.FromString,
+                _registered_method=True)
 
 
 class StageWorkerServicer:
@@ -81,6 +86,17 @@ class StageWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Results(self, request, context):
+        """The StepResults of steps whose header names this stream in `reply.subscriber`, sent by this
+        stage (when it is their last) as soon as they are drawn, with `step_id` = `reply.step_id`.
+        Initial metadata is sent once the stream is registered. One stream per subscriber: a second
+        one with the same name replaces the first. When a subscriber does not keep up, results go
+        back up the chain instead of queueing here without bound.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -98,6 +114,11 @@ def add_StageWorkerServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=layerline_dot_protos_dot_v1_dot_stage__pb2.InfoRequest.FromString,
                     response_serializer=layerline_dot_protos_dot_v1_dot_stage__pb2.InfoResponse.SerializeToString,
+            ),
+            'Results': grpc.unary_stream_rpc_method_handler(
+                    servicer.Results,
+                    request_deserializer=layerline_dot_protos_dot_v1_dot_stage__pb2.ResultsRequest.FromString,
+                    response_serializer=layerline_dot_protos_dot_v1_dot_stage__pb2.StepResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,6 +203,33 @@ class StageWorker:
             '/layerline.v1.StageWorker/Info',
             layerline_dot_protos_dot_v1_dot_stage__pb2.InfoRequest.SerializeToString,
             layerline_dot_protos_dot_v1_dot_stage__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Results(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/layerline.v1.StageWorker/Results',
+            layerline_dot_protos_dot_v1_dot_stage__pb2.ResultsRequest.SerializeToString,
+            layerline_dot_protos_dot_v1_dot_stage__pb2.StepResult.FromString,
             options,
             channel_credentials,
             insecure,
