@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from .llama import StageModel, rope_inv_freq
+from .llama import LMHead, StageModel, rope_inv_freq
 from .model_config import ConfigError, LayerRange, ModelConfig
 from .parallel import Shards, TensorParallel
 
@@ -188,7 +188,8 @@ def _fused(state: dict[str, torch.Tensor], layers: LayerRange) -> dict[str, torc
     """The checkpoint's tensors in the model's layout.
 
     q, k, v become one qkv_proj and gate, up one gate_up_proj (rows stacked); the weights of
-    `TransposedLinear` modules (qkv, o, gate_up, LM head) are stored transposed, [in, out].
+    `TransposedLinear` modules (qkv, o, gate_up) are stored transposed, [in, out], and the LM
+    head's in `LMHead`'s column blocks.
     """
 
     def transposed(w: torch.Tensor) -> torch.Tensor:
@@ -208,7 +209,7 @@ def _fused(state: dict[str, torch.Tensor], layers: LayerRange) -> dict[str, torc
         if biases[0] is not None:
             state[f"{mlp}.gate_up_proj.bias"] = torch.cat(biases)  # type: ignore[arg-type]
     if "lm_head.weight" in state:
-        state["lm_head.weight_t"] = transposed(state.pop("lm_head.weight"))
+        state["lm_head.weight_blocks"] = LMHead.blocked(state.pop("lm_head.weight"))
     return state
 
 

@@ -166,3 +166,16 @@ def test_layer_range_parses_half_open():
     rng = LayerRange.parse("0:4", num_layers=4)
     assert (rng.start, rng.end, len(rng), str(rng)) == (0, 4, 4, "[0, 4)")
     assert rng.is_first and rng.is_last(4)
+
+
+@pytest.mark.parametrize("vocab,blocks", [(48, 8), (20, 4), (6, 2), (7, 1)])
+def test_lm_head_blocks_give_the_plain_product_in_vocabulary_order(vocab, blocks):
+    from layerline.stage_worker.llama import LMHead
+
+    weight = torch.randn(vocab, 5)  # the checkpoint's [vocab, hidden]
+    head = LMHead(5, vocab)
+    head.weight_blocks = torch.nn.Parameter(LMHead.blocked(weight))
+    assert head.weight_blocks.shape == (blocks, 5, vocab // blocks)
+    for rows in (1, 3, 16):
+        x = torch.randn(rows, 5)
+        torch.testing.assert_close(head(x), x @ weight.t())
