@@ -3,10 +3,12 @@
 Owns the Step stream protocol: reassembling each step (a header frame, carrying the hidden
 states itself when they fit in one message, else followed by their chunks), handing it to the
 engine in arrival order, sending the result down the route (or, on the last stage, answering
-with the sampled tokens), and merging the downstream answer with this stage's own per-sequence
-errors on the way back up. Torch runs on the engine's single compute thread, so the next step is
-received and the previous one sent while this one computes; the one exception is a step of a
-few tokens alone on the stage, which runs on the event loop (nothing else waits on it then).
+with the sampled tokens: on the Results stream the step names, if open, with only an
+acknowledgement up the chain), and merging the downstream answer with this stage's own
+per-sequence errors on the way back up. Torch runs on the engine's single compute thread, so
+the next step is received and the previous one sent while this one computes; the one exception
+is a step of a few tokens alone on the stage, which runs on the event loop (nothing else waits
+on it then).
 
 Typed failures map to gRPC status codes in one table, `STATUS_OF`. With telemetry on, each step
 carries a `StepTimes` that the stream's hooks feed; what is measured is `step_telemetry`'s.
@@ -41,7 +43,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 FRAME_OVERHEAD_BYTES = 32  # field tags and lengths around a header and its hidden chunk
 MAX_SUBSCRIBER_BYTES = 128
-MAX_UNSENT_RESULTS = 256  # direct results waiting on one Results stream; beyond, they are dropped
+MAX_UNSENT_RESULTS = 256  # direct results waiting on one Results stream; beyond, they go up the chain
 
 STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     FrameError: grpc.StatusCode.INVALID_ARGUMENT,
