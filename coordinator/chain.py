@@ -141,21 +141,15 @@ class ChainClient:
         reason = f"stage {self.addresses[0]} closed the Step stream"
         try:
             async for result in call:
-                if result.replied:  # an acknowledgement; the first stage keeps these
-                    continue
-                future = pending.pop(result.step_id, None)
-                if future is not None and not future.done():
-                    future.set_result(result)
+                if not result.replied:  # an acknowledgement; the first stage keeps these
+                    _settle(pending.pop(result.step_id, None), result)
         except grpc.aio.AioRpcError as err:
             reason = f"stage {self.addresses[0]} failed: {err.code().name}: {err.details()}"
         if self._call is call:
             self._call = None
-        failure = stage_pb2.StepResult(
-            error=common_pb2.Status(code=UNAVAILABLE, message=reason), failed_address=self.addresses[0]
-        )
+        failure = _unavailable(reason, self.addresses[0])
         for future in pending.values():
-            if not future.done():
-                future.set_result(failure)
+            _settle(future, failure)
         pending.clear()
 
     def _ensure_results(self) -> None:
@@ -169,18 +163,12 @@ class ChainClient:
         reason = f"stage {self.addresses[-1]} closed the Results stream"
         try:
             async for result in call:
-                future = self._pending.pop(result.step_id, None)
-                if future is not None and not future.done():
-                    future.set_result(result)
+                _settle(self._pending.pop(result.step_id, None), result)
         except grpc.aio.AioRpcError as err:
             reason = f"stage {self.addresses[-1]} failed: {err.code().name}: {err.details()}"
-        failure = stage_pb2.StepResult(
-            error=common_pb2.Status(code=UNAVAILABLE, message=reason), failed_address=self.addresses[-1]
-        )
+        failure = _unavailable(reason, self.addresses[-1])
         for step_id in replies:
-            future = self._pending.pop(step_id, None)
-            if future is not None and not future.done():
-                future.set_result(failure)
+            _settle(self._pending.pop(step_id, None), failure)
         replies.clear()
 
     async def release(self, sequence_ids: list[str]) -> None:
@@ -203,6 +191,16 @@ class ChainClient:
                 call.cancel()
         for channel in self._channels.values():
             await channel.close()
+
+
+def _settle(future: asyncio.Future[stage_pb2.StepResult] | None, result: stage_pb2.StepResult) -> None:
+    """Answer a waiting step, unless it is gone or already answered (by the other stream)."""
+    if future is not None and not future.done():
+        future.set_result(result)
+
+
+def _unavailable(reason: str, address: str) -> stage_pb2.StepResult:
+    return stage_pb2.StepResult(error=common_pb2.Status(code=UNAVAILABLE, message=reason), failed_address=address)
 
 
 class ProbeFailed(Exception):

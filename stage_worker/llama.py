@@ -35,6 +35,12 @@ class RMSNorm(nn.Module):
 MANY_ROWS = 16  # from this many rows on, a matmul is worth computing as (W x^T)^T (see below)
 
 
+def _by_weight_rows(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T + b computed as (W x^T)^T: `weight` is [out, in] (any strides); contiguous result."""
+    y = (weight @ x.t()).t()
+    return y + bias if bias is not None else y.contiguous()
+
+
 class TransposedLinear(nn.Module):
     """y = x W^T + b, with W kept transposed: `weight_t` is [in, out], contiguous.
 
@@ -56,8 +62,7 @@ class TransposedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.flipped and x.shape[0] >= MANY_ROWS:
-            y = (self.weight_t.t() @ x.t()).t()
-            return y + self.bias if self.bias is not None else y.contiguous()
+            return _by_weight_rows(self.weight_t.t(), x, self.bias)
         if self.bias is None:
             return x @ self.weight_t
         return torch.addmm(self.bias, x, self.weight_t)
@@ -70,8 +75,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] >= MANY_ROWS and torch.get_num_threads() > 1:
-            y = (self.weight @ x.t()).t()
-            return y + self.bias if self.bias is not None else y.contiguous()
+            return _by_weight_rows(self.weight, x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

@@ -2,9 +2,8 @@
 
 Owns the process's settings (`StageSettings`), model loading and KV pool sizing, the gRPC
 server with the StageWorker and standard health services, its telemetry, and the process
-lifecycle. Health is
-SERVING only once the weights are loaded and a real one-token forward has run, NOT_SERVING
-while stopping.
+lifecycle. Health is SERVING only once the weights are loaded and a real one-token forward has
+run, NOT_SERVING while stopping.
 
 Knows nothing of the coordinator's schedule; argument parsing stays in the CLI.
 """
