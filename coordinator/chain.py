@@ -68,6 +68,7 @@ class ChainClient:
                 positions=range(s.start, s.start + len(s.token_ids)),
                 token_ids=s.token_ids,
                 sample=s.sample,
+                prefix_from=s.prefix_from.sequence_id if s.prefix_from is not None else "",
             )
             if s.sample:
                 s.seq.sampling.to_wire(seq.sampling)

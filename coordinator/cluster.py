@@ -66,6 +66,7 @@ class Cluster:
         *,
         max_message_bytes: int,
         token_budget: int,
+        share_prefixes: bool = True,
         depth: int | None = None,
         failover: FailoverPolicy = FailoverPolicy(),
         tracer: Tracer | None = None,
@@ -78,6 +79,7 @@ class Cluster:
         self.max_failover_gap = 0.0
         self.max_message_bytes = max_message_bytes
         self.token_budget = token_budget
+        self.share_prefixes = share_prefixes
         self.depth = depth
         self.chains: list[RunningChain] = []
         self._version = -1
@@ -117,6 +119,7 @@ class Cluster:
             client,
             depth=self.depth or len(workers),
             token_budget=self.token_budget,
+            share_prefixes=self.share_prefixes,
             on_step_failed=lambda seqs, err: self._step_failed(holder[0], seqs, err),
             release=client.release,
             on_failover_gap=self._failover_gap,

@@ -24,6 +24,10 @@ from layerline.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
+# A new sequence whose first tokens equal this many or more of a live sequence's on the same
+# chain (a shared system prompt, the same question twice) copies their KV instead of computing it.
+MIN_SHARED_PREFIX = 4
+
 
 @dataclass
 class Sequence:
@@ -37,6 +41,7 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     fed: int = 0  # tokens of the history whose KV the chain holds
     in_flight: bool = False
+    lent: int = 0  # steps in flight that copy a prefix of its KV: it is released after them
     done: bool = False
     moves: int = 0  # times it was moved to another chain after a failure
     failed_at: float | None = None  # when its chain failed, until its next token arrives
@@ -53,6 +58,7 @@ class Slice:
     start: int  # first position fed
     token_ids: tuple[int, ...]
     sample: bool  # the chain samples the token after this slice
+    prefix_from: Sequence | None = None  # whose KV of positions [0, start) each stage copies first
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,7 @@ class ChainScheduler:
         *,
         depth: int,
         token_budget: int = 512,
+        share_prefixes: bool = True,
         on_step_failed: Callable[[list[Sequence], StepFailed], None],
         release: Callable[[list[str]], Awaitable[None]],
         on_failover_gap: Callable[[float], None] = lambda seconds: None,
@@ -99,6 +106,7 @@ class ChainScheduler:
         self.send = send
         self.depth = max(1, depth)
         self.token_budget = token_budget
+        self.share_prefixes = share_prefixes
         self.on_step_failed = on_step_failed
         self.release = release
         self.on_failover_gap = on_failover_gap
@@ -122,12 +130,14 @@ class ChainScheduler:
         release cannot overtake the step on a later stage.
         """
         seq.done = True
-        if self.sequences.pop(seq.sequence_id, None) is not None and not seq.in_flight:
-            self._release(seq)
+        if self.sequences.pop(seq.sequence_id, None) is not None:
+            self._release_if_idle(seq)
         self._wake.set()
 
-    def _release(self, seq: Sequence) -> None:
-        asyncio.get_running_loop().create_task(self.release([seq.sequence_id]))
+    def _release_if_idle(self, seq: Sequence) -> None:
+        """Free a finished sequence's KV once no step in flight runs it or copies from it."""
+        if seq.done and seq.sequence_id not in self.sequences and not seq.in_flight and not seq.lent:
+            asyncio.get_running_loop().create_task(self.release([seq.sequence_id]))
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -142,6 +152,8 @@ class ChainScheduler:
                 self.in_flight += 1
                 for s in step.slices:
                     s.seq.in_flight = True
+                    if s.prefix_from is not None:
+                        s.prefix_from.lent += 1
                 asyncio.get_running_loop().create_task(self._dispatch(step))
             self._wake.clear()
             await self._wake.wait()
@@ -159,11 +171,31 @@ class ChainScheduler:
             if len(slices) == per_step or budget == 0:
                 break
             history = seq.history
-            n = min(len(history) - seq.fed, budget)
+            start, donor = seq.fed, None
+            if start == 0 and self.share_prefixes:
+                donor, start = self._prefix_donor(seq)
+            n = min(len(history) - start, budget)
             budget -= n
-            end = seq.fed + n
-            slices.append(Slice(seq, seq.fed, tuple(history[seq.fed:end]), sample=end == len(history)))
+            end = start + n
+            slices.append(Slice(seq, start, tuple(history[start:end]), sample=end == len(history), prefix_from=donor))
         return PlannedStep(tuple(slices)) if slices else None
+
+    def _prefix_donor(self, seq: Sequence) -> tuple[Sequence | None, int]:
+        """The live sequence on this chain whose KV holds the longest prefix of `seq`'s history.
+
+        Only tokens whose step came back count (`fed`), so every stage holds them; steps reach
+        each stage in order, so the copy runs after them. At least the last token is left to
+        compute, since the step must yield its hidden state (and, at the end, a sampled token).
+        """
+        history = seq.history
+        best, length = None, MIN_SHARED_PREFIX - 1
+        for other in self.sequences.values():
+            if other is seq or other.done or other.fed <= length or other.prompt[0] != history[0]:
+                continue
+            n = _common_prefix(history, other.history, min(other.fed, len(history) - 1))
+            if n > length:
+                best, length = other, n
+        return (best, length) if best is not None else (None, 0)
 
     async def _dispatch(self, step: PlannedStep) -> None:
         try:
@@ -180,8 +212,12 @@ class ChainScheduler:
                     self._apply(s, by_id.get(s.seq.sequence_id))
         finally:
             for s in step.slices:
-                if s.seq.done and s.seq.sequence_id not in self.sequences:
-                    self._release(s.seq)
+                if s.seq.done:
+                    s.seq.in_flight = False  # finished meanwhile: its outcome was not applied
+                self._release_if_idle(s.seq)
+                if s.prefix_from is not None:
+                    s.prefix_from.lent -= 1
+                    self._release_if_idle(s.prefix_from)
             self.in_flight -= 1
             self._wake.set()
 
@@ -209,3 +245,18 @@ class ChainScheduler:
                 self.on_failover_gap(time.monotonic() - seq.failed_at)
                 seq.failed_at = None
             seq.on_token(outcome.token_id, outcome.logprob, list(outcome.top))
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """How many leading tokens `a` and `b` share, at most `limit` (slices compare in C)."""
+    limit = min(limit, len(a), len(b))
+    if a[:limit] == b[:limit]:
+        return limit
+    lo, hi = 0, limit  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

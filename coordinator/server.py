@@ -42,6 +42,7 @@ class CoordinatorSettings:
     max_queued: int = 512  # requests waiting for a slot before RESOURCE_EXHAUSTED
     rate_limit: float = 1000.0  # new requests admitted per second
     token_budget: int = 512  # tokens per micro-batch step
+    share_prefixes: bool = True  # a new sequence copies the KV of a prefix a live one already computed
     depth: int | None = None  # micro-batches in flight per chain; default: the chain's length
     heartbeat_interval: float = 1.0  # seconds between a worker's heartbeats
     heartbeat_expiry: float = 5.0  # a worker unheard of this long leaves routing
@@ -58,7 +59,7 @@ async def serve(settings: CoordinatorSettings, *, stop: asyncio.Event | None = N
     telemetry = Telemetry(settings.telemetry, service="layerline-coordinator")
     cluster = Cluster(
         registry, max_message_bytes=settings.max_message_bytes, token_budget=settings.token_budget,
-        depth=settings.depth, tracer=telemetry.tracer,
+        share_prefixes=settings.share_prefixes, depth=settings.depth, tracer=telemetry.tracer,
     )
     server = grpc.aio.server(options=channel_options(settings.max_message_bytes))
     admission = Admission(

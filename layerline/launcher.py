@@ -37,6 +37,7 @@ class ClusterPlan:
     log_dir: Path | None = None  # where each process's log goes; default: a temp folder
     layer_ranges: tuple[tuple[int, int], ...] | None = None  # explicit (uneven) split; default: even
     coordinator_args: tuple[str, ...] = ()  # extra `layerline coordinator` flags
+    stage_args: tuple[str, ...] = ()  # extra `layerline stage` flags, for every stage worker
     threads: int | None = None  # torch threads per stage worker; default: the cores shared out
     trace: str = "off"  # every process's --trace: off, console or otlp
     otlp_endpoint: str | None = None  # every process's --otlp-endpoint
@@ -116,7 +117,7 @@ class LocalCluster:
                 args = ["stage", "--model", str(self.checkpoint), "--layers", f"{start}:{end}",
                         "--host", p.host, "--port", str(_free_port(p.host)), "--coordinator", self.address,
                         "--dtype", p.dtype, "--threads", str(threads), "--kv-memory", p.kv_memory,
-                        *self._telemetry_args(name)]
+                        *p.stage_args, *self._telemetry_args(name)]
                 if p.tp > 1:
                     args += ["--tp", str(p.tp)]
                 self._spawn(name, args, {"OMP_NUM_THREADS": str(threads)})

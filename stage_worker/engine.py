@@ -38,6 +38,7 @@ class SequenceStep:
     token_ids: tuple[int, ...] = ()  # the new tokens (first stage); empty on later stages
     sampling: SamplingParams | None = None  # what the last stage samples with
     history: tuple[int, ...] = ()  # token ids so far, for the repetition penalty
+    prefix_from: str = ""  # a sequence whose KV of positions [0, positions[0]) is copied first
 
     @property
     def num_tokens(self) -> int:
@@ -129,7 +130,12 @@ class StageEngine:
                 if seq.sequence_id in seen:
                     raise StepInputError(f"sequence {seq.sequence_id!r} appears twice in one step")
                 seen.add(seq.sequence_id)
-                self._check_sequence(seq)
+                if seq.prefix_from:
+                    self._check_prefix(seq)
+                    self._check_sequence(seq, held=seq.positions[0])
+                    self.cache.copy_prefix(seq.prefix_from, seq.sequence_id, seq.positions[0], room_for=n)
+                else:
+                    self._check_sequence(seq)
                 self.cache.reserve(seq.sequence_id, n)
             except (StepInputError, KVCacheExhausted) as err:
                 out.errors.append(SequenceError(seq.sequence_id, err))
@@ -185,13 +191,31 @@ class StageEngine:
                 f"hidden states have shape {tuple(hidden.shape)}, the step's positions need {expected}"
             )
 
-    def _check_sequence(self, seq: SequenceStep) -> None:
+    def _check_prefix(self, seq: SequenceStep) -> None:
+        """A shared prefix is copied only into a new sequence, from one that holds all of it."""
+        sid, source = seq.sequence_id, seq.prefix_from
+        if sid in self.cache:
+            raise StepInputError(f"sequence {sid!r} already holds KV here: prefix_from starts only a new sequence")
+        if source == sid:
+            raise StepInputError(f"sequence {sid!r} names itself in prefix_from")
+        length = seq.positions[0] if seq.positions else 0
+        if length <= 0:
+            raise StepInputError(f"sequence {sid!r} with prefix_from must start past position 0, at the prefix's end")
+        if self.cache.length(source) < length:
+            raise StepInputError(
+                f"sequence {sid!r} prefix_from {source!r}: that sequence holds {self.cache.length(source)} "
+                f"token(s) here, fewer than the {length} to copy"
+            )
+
+    def _check_sequence(self, seq: SequenceStep, *, held: int | None = None) -> None:
+        """`held`: the tokens the sequence will hold before this step (default: what it holds)."""
         sid = seq.sequence_id
         if not sid:
             raise StepInputError("sequence_id must not be empty")
         if not seq.positions:
             raise StepInputError(f"sequence {sid!r} has no positions")
-        held = self.cache.length(sid)
+        if held is None:
+            held = self.cache.length(sid)
         if seq.positions[0] != held:
             if held == 0 and sid not in self.cache:
                 raise StepInputError(

@@ -153,6 +153,28 @@ class PagedKVCache:
         for _ in range(max(need, 0)):
             table.append(self._free.pop())
 
+    def copy_prefix(self, source: str, target: str, length: int, *, room_for: int = 0) -> None:
+        """Start `target` (which holds nothing) with a copy of `source`'s first `length` tokens.
+
+        Blocks for `length + room_for` tokens are taken at once, all or nothing, so the step that
+        follows needs no more. The copy is the KV of every layer held here; `target` then owns
+        its blocks like any sequence (nothing is shared, nothing is counted twice on release).
+        """
+        assert target not in self._tables and 0 < length <= self.length(source)
+        block = self.shape.block_size
+        need = -(-(length + room_for) // block)
+        if need > len(self._free):
+            raise KVCacheExhausted(target, needed_blocks=need, free_blocks=len(self._free))
+        table = [self._free.pop() for _ in range(need)]
+        src, dst = self._tables[source], table
+        index = torch.tensor([[src[p // block] * block + p % block, dst[p // block] * block + p % block]
+                              for p in range(length)], dtype=torch.long, device=self.device)
+        for pools in (self.k, self.v):
+            for pool in pools.values():
+                pool.index_copy_(0, index[:, 1], pool.index_select(0, index[:, 0]))
+        self._tables[target] = table
+        self._lengths[target] = length
+
     def release(self, sequence_id: str) -> bool:
         """Give a sequence's blocks back to the pool; False when it held none."""
         table = self._tables.pop(sequence_id, None)

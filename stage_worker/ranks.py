@@ -79,6 +79,7 @@ class _Wire:
 
 def _steps_out(wire: _Wire, seqs: Sequence[SequenceStep]) -> None:
     wire.strings([s.sequence_id for s in seqs])
+    wire.strings([s.prefix_from for s in seqs])
     wire.ints([n for s in seqs for n in (len(s.positions), len(s.token_ids), len(s.history), s.sampling is not None)])
     wire.ints([x for s in seqs for x in (*s.positions, *s.token_ids, *s.history)])
     wire.floats([x for s in seqs if s.sampling is not None for x in _sampling_floats(s.sampling)])
@@ -86,6 +87,7 @@ def _steps_out(wire: _Wire, seqs: Sequence[SequenceStep]) -> None:
 
 def _steps_in(wire: _Wire) -> list[SequenceStep]:
     ids = wire.strings()
+    prefix_from = wire.strings()
     shape = wire.ints()
     flat = wire.ints()
     floats = wire.floats()
@@ -100,7 +102,7 @@ def _steps_in(wire: _Wire) -> list[SequenceStep]:
         if sampled:
             sampling = _sampling_from(floats[fat:fat + 7])
             fat += 7
-        seqs.append(SequenceStep(sid, positions, tokens, sampling, history))
+        seqs.append(SequenceStep(sid, positions, tokens, sampling, history, prefix_from[i]))
     return seqs
 
 

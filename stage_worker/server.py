@@ -61,6 +61,7 @@ class StageSettings:
     device: str = "cpu"  # torch device: cpu, cuda, cuda:1 ...
     kv_memory_bytes: int = 256 << 20  # budget of the preallocated KV block pool
     kv_block_size: int = 16  # tokens per KV block
+    weight_layout: str = "both"  # float32 on CPU: plain and oneDNN-packed linear weights, or one of them
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # gRPC message limit; larger tensors are chunked
     max_tensor_bytes: int = 1 << 30  # largest hidden-state tensor accepted in one step
     max_in_flight: int = 16  # steps per upstream stream received and not yet answered
@@ -109,7 +110,8 @@ class StageWorker:
         """Load this rank's shards and preallocate its KV pool (the same block count on every rank)."""
         start = time.perf_counter()
         model = load_stage(
-            self.checkpoint, self.layers, dtype=self.dtype, device=self.settings.device, config=self.config, tp=tp
+            self.checkpoint, self.layers, dtype=self.dtype, device=self.settings.device, config=self.config, tp=tp,
+            weight_layout=self.settings.weight_layout,
         )
         shape = CacheShape.for_budget(
             self.settings.kv_memory_bytes,
@@ -137,7 +139,8 @@ class StageWorker:
             self.followers = tp_group.spawn_followers(s.stage_args, size=s.tp, master=master)
             tp = tp_group.join_group(rank=0, size=s.tp, master=master, timeout_s=s.tp_timeout, device=s.device)
             self.engine = LeadingEngine(self.build_engine(tp), tp.group)  # type: ignore[assignment]
-        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.engine.model.parameters())
+        model = self.engine.model
+        self.weights_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
         self.engine.probe()
 
     def info(self) -> common_pb2.WorkerInfo:

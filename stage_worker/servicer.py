@@ -409,6 +409,7 @@ def _sequence_step(msg: stage_pb2.SequenceInput, *, last: bool) -> SequenceStep:
         token_ids=tuple(msg.token_ids),
         sampling=sampling,
         history=tuple(msg.history_token_ids),
+        prefix_from=msg.prefix_from,
     )
 
 

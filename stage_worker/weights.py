@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from .llama import LMHead, StageModel, rope_inv_freq
+from .llama import WEIGHT_LAYOUTS, LMHead, StageModel, can_pack, rope_inv_freq
 from .model_config import ConfigError, LayerRange, ModelConfig
 from .parallel import Shards, TensorParallel
 
@@ -104,11 +104,13 @@ def load_stage(
     config: ModelConfig | None = None,
     reader: CheckpointReader | None = None,
     tp: TensorParallel = TensorParallel(),
+    weight_layout: str = "both",
 ) -> StageModel:
     """Build the `StageModel` of `layers`, reading only the tensors it owns.
 
     Under tensor parallelism (`tp.size > 1`) each rank reads only its own slice of each tensor
-    (sliced reads from the file, never the whole tensor then cut).
+    (sliced reads from the file, never the whole tensor then cut). `weight_layout` says
+    whether float32 linear layers on CPU are also, or only, kept packed for oneDNN (`PackedLinear`).
     """
     config = config or ModelConfig.from_checkpoint(checkpoint)
     layers.check(config.num_layers)
@@ -143,6 +145,10 @@ def load_stage(
         state[param] = loaded[(source, piece)]
     model.load_state_dict(_fused(state, layers), strict=True, assign=True)
     model.inv_freq = rope_inv_freq(config.rope, config.head_dim).to(device)
+    if weight_layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight layout {weight_layout!r} is not one of {', '.join(WEIGHT_LAYOUTS)}")
+    if weight_layout != "plain" and can_pack(dtype, device):
+        model.pack_linears(keep_plain=weight_layout == "both")
     return model.eval()
 
 

@@ -179,3 +179,26 @@ def test_lm_head_blocks_give_the_plain_product_in_vocabulary_order(vocab, blocks
     for rows in (1, 3, 16):
         x = torch.randn(rows, 5)
         torch.testing.assert_close(head(x), x @ weight.t())
+
+
+@pytest.mark.parametrize("layout", ["both", "packed", "plain"])
+def test_every_weight_layout_matches_transformers(tiny, layout):
+    """Prefill (many rows: oneDNN's packed weights) and decode (one row: the plain ones under
+    `both`) give transformers' logits and greedy tokens whatever the layout."""
+    from layerline.stage_worker.llama import PackedLinear
+
+    _, path, hf = tiny
+    stage = load_stage(path, LayerRange(0, 4), weight_layout=layout)
+    packed = [m for m in stage.modules() if isinstance(m, PackedLinear)]
+    assert len(packed) == (0 if layout == "plain" else 4 * 4 + 1)  # qkv, o, gate_up, down per layer; head
+    assert all((m.plain is not None) == (layout == "both") for m in packed)
+    ids = PROMPTS["a"]
+    torch.testing.assert_close(LocalPipeline([stage]).step({"s": ids}, all_logits=True), hf_logits(hf, ids),
+                               atol=1e-4, rtol=0)
+    assert LocalPipeline([stage]).greedy({"b": PROMPTS["b"]}, 8)["b"] == hf_greedy(hf, PROMPTS["b"], 8)
+
+
+def test_unknown_weight_layout_is_refused(tmp_path):
+    make_tiny_checkpoint("llama3", tmp_path)
+    with pytest.raises(ValueError, match="weight layout 'dense' is not one of both, packed, plain"):
+        load_stage(tmp_path, LayerRange(0, 4), weight_layout="dense")

@@ -43,7 +43,7 @@ class DirectReply(_message.Message):
     def __init__(self, subscriber: _Optional[str] = ..., step_id: _Optional[int] = ...) -> None: ...
 
 class SequenceInput(_message.Message):
-    __slots__ = ("sequence_id", "positions", "token_ids", "sample", "sampling", "history_token_ids", "trace_context")
+    __slots__ = ("sequence_id", "positions", "token_ids", "sample", "sampling", "history_token_ids", "trace_context", "prefix_from")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class SequenceInput(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     HISTORY_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FROM_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     positions: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -65,7 +66,8 @@ class SequenceInput(_message.Message):
     sampling: _common_pb2.SamplingParams
     history_token_ids: _containers.RepeatedScalarFieldContainer[int]
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, sequence_id: _Optional[str] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., history_token_ids: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    prefix_from: str
+    def __init__(self, sequence_id: _Optional[str] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., history_token_ids: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., prefix_from: _Optional[str] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "sequences", "error", "failed_address", "replied")
