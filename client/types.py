@@ -95,3 +95,4 @@ class ClusterStatus:
     failovers: int = 0  # sequences moved off a chain that lost a worker, since the coordinator started
     last_failover_gap_seconds: float = 0.0  # from a failure to the moved sequence's next token
     max_failover_gap_seconds: float = 0.0
+    shared_prefix_tokens: int = 0  # prompt tokens copied from a live sequence's KV instead of computed

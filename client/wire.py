@@ -176,7 +176,7 @@ def cluster_from(response: coordinator_pb2.ClusterStatusResponse) -> ClusterStat
     chains = [ChainStatus(c.replica, c.model_id, list(c.addresses), c.active_sequences) for c in response.chains]
     return ClusterStatus(
         workers, chains, response.active_requests, response.queued_requests, response.failovers,
-        response.last_failover_gap_seconds, response.max_failover_gap_seconds,
+        response.last_failover_gap_seconds, response.max_failover_gap_seconds, response.shared_prefix_tokens,
     )
 
 

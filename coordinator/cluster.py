@@ -75,6 +75,7 @@ class Cluster:
         self.tracer = tracer  # the chains' step spans; None when tracing is off
         self.failover = failover
         self.failovers = 0  # sequences moved off a failed chain, since start
+        self.shared_prefix_tokens = 0  # prompt tokens copied from a live sequence's KV, since start
         self.last_failover_gap = 0.0  # seconds from a failure to the moved sequence's next token
         self.max_failover_gap = 0.0
         self.max_message_bytes = max_message_bytes
@@ -123,6 +124,7 @@ class Cluster:
             on_step_failed=lambda seqs, err: self._step_failed(holder[0], seqs, err),
             release=client.release,
             on_failover_gap=self._failover_gap,
+            on_shared_prefix=self._shared_prefix,
         )
         running = RunningChain(replica, workers, client, scheduler)
         holder.append(running)
@@ -174,6 +176,9 @@ class Cluster:
             delay = min(self.failover.backoff * 2 ** (seq.moves - 1), self.failover.max_backoff)
             deadline = time.monotonic() + self.failover.wait_for_chain
             loop.call_later(delay, self._replace, seq, reason, deadline)
+
+    def _shared_prefix(self, tokens: int) -> None:
+        self.shared_prefix_tokens += tokens
 
     def _failover_gap(self, seconds: float) -> None:
         self.last_failover_gap = seconds

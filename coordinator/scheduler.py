@@ -102,6 +102,7 @@ class ChainScheduler:
         on_step_failed: Callable[[list[Sequence], StepFailed], None],
         release: Callable[[list[str]], Awaitable[None]],
         on_failover_gap: Callable[[float], None] = lambda seconds: None,
+        on_shared_prefix: Callable[[int], None] = lambda tokens: None,
     ) -> None:
         self.send = send
         self.depth = max(1, depth)
@@ -110,6 +111,7 @@ class ChainScheduler:
         self.on_step_failed = on_step_failed
         self.release = release
         self.on_failover_gap = on_failover_gap
+        self.on_shared_prefix = on_shared_prefix
         self.sequences: dict[str, Sequence] = {}
         self.in_flight = 0
         self._wake = asyncio.Event()
@@ -154,6 +156,7 @@ class ChainScheduler:
                     s.seq.in_flight = True
                     if s.prefix_from is not None:
                         s.prefix_from.lent += 1
+                        self.on_shared_prefix(s.start)
                 asyncio.get_running_loop().create_task(self._dispatch(step))
             self._wake.clear()
             await self._wake.wait()

@@ -217,6 +217,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             active_requests=self.active, queued_requests=self.queued, failovers=self.cluster.failovers,
             last_failover_gap_seconds=self.cluster.last_failover_gap,
             max_failover_gap_seconds=self.cluster.max_failover_gap,
+            shared_prefix_tokens=self.cluster.shared_prefix_tokens,
         )
         for w in registry.workers():
             entry = response.workers.add(

@@ -195,6 +195,26 @@ def test_a_cancelled_stream_releases_its_kv_on_every_stage(cluster):
     assert wait_all_free() == before
 
 
+def test_a_shared_prompt_prefix_is_copied_and_changes_no_token(cluster, hf_real, hf_greedy):
+    """B's prompt starts with A's: while A is live, B copies A's KV for those tokens."""
+    tok, _ = hf_real
+    base = "Once upon a time, in a quiet village by the sea, there lived"
+    longer = base + " zebras, quokkas and"
+    a_ids, b_ids = tok(base)["input_ids"], tok(longer)["input_ids"]
+    shared = next(i for i, (x, y) in enumerate(zip(a_ids + hf_greedy(base, 40), b_ids)) if x != y)
+    assert shared >= len(a_ids) - 1 and shared < len(b_ids) - 1
+    with Client(cluster.address) as client:
+        before = client.cluster().shared_prefix_tokens
+        a = iter(client.stream(base, max_tokens=40, temperature=0.0))
+        a_tokens = list(next(a).token_ids)  # A's prompt is in the chain's KV
+        b = client.generate(longer, max_tokens=16, temperature=0.0)
+        a_tokens += [t for c in a for t in c.token_ids]
+        after = client.cluster().shared_prefix_tokens
+    assert b.token_ids == hf_greedy(longer, 16)
+    assert a_tokens == hf_greedy(base, 40)
+    assert after - before == shared
+
+
 def test_cluster_status_lists_workers_and_the_chain(cluster):
     with Client(cluster.address) as client:
         status = client.cluster()

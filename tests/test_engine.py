@@ -117,6 +117,55 @@ def test_kv_exhaustion_fails_only_the_sequence_that_does_not_fit(ckpt):
     assert first.cache.blocks_free == first.cache.blocks_total == 4
 
 
+def test_a_shared_prefix_is_copied_and_gives_the_same_tokens(ckpt):
+    """b starts with a's first 6 tokens: both stages copy them and compute only b's rest."""
+    first, last = engine(ckpt, LayerRange(0, 2)), engine(ckpt, LayerRange(2, 4))
+    greedy = SamplingParams(temperature=0.0)
+    a, b = [1, 5, 9, 30, 31, 40, 41, 42], [1, 5, 9, 30, 31, 40, 7, 8, 9]
+
+    def run(steps):
+        out = first.run(steps)
+        done = last.run(out.kept, out.hidden)
+        assert not out.errors and not done.errors
+        return {s: d.token_id for s, d in done.draws.items()}
+
+    run([SequenceStep("a", tuple(range(8)), tuple(a), sampling=greedy)])
+    free = first.cache.blocks_free
+    shared = run([SequenceStep("b", tuple(range(6, 9)), tuple(b[6:]), sampling=greedy, prefix_from="a")])
+    assert first.cache.length("b") == last.cache.length("b") == 9
+    assert first.cache.blocks_free == free - 3  # 9 tokens in blocks of 4: b owns its own copy
+    whole = run([SequenceStep("c", tuple(range(9)), tuple(b), sampling=greedy)])
+    assert shared["b"] == whole["c"]
+    for layer in first.cache.k:  # the copied K rows are a's, bit for bit
+        table_a, table_b = first.cache._tables["a"], first.cache._tables["b"]
+        for p in range(6):
+            slot = lambda t: t[p // 4] * 4 + p % 4  # noqa: E731
+            assert torch.equal(first.cache.k[layer][slot(table_b)], first.cache.k[layer][slot(table_a)])
+    for e in (first, last):
+        e.release("a")
+        e.release("b")  # a's blocks and b's are separate: releasing both frees both
+        e.release("c")
+        assert e.cache.blocks_free == e.cache.blocks_total
+
+
+@pytest.mark.parametrize("step,message", [
+    (SequenceStep("b", (3, 4), (5, 6), prefix_from="nobody"), "prefix_from 'nobody': that sequence holds 0"),
+    (SequenceStep("b", (9, 10), (5, 6), prefix_from="a"), "holds 4 token(s) here, fewer than the 9 to copy"),
+    (SequenceStep("b", (0, 1), (5, 6), prefix_from="a"), "must start past position 0"),
+    (SequenceStep("a", (4,), (5,), prefix_from="a"), "already holds KV here"),
+    (SequenceStep("b", (2,), (5,), prefix_from="b"), "names itself in prefix_from"),
+])
+def test_a_bad_prefix_fails_only_its_sequence(ckpt, step, message):
+    first = engine(ckpt, LayerRange(0, 2))
+    first.run([SequenceStep("a", (0, 1, 2, 3), (1, 2, 3, 4))])
+    free = first.cache.blocks_free
+    out = first.run([step, SequenceStep("a", (4,), (9,))] if step.sequence_id != "a" else [step])
+    assert [e.sequence_id for e in out.errors] == [step.sequence_id]
+    assert message in str(out.errors[0].error)
+    assert step.sequence_id == "a" or "b" not in first.cache  # nothing was copied
+    assert first.cache.blocks_free >= free - 1
+
+
 def test_greedy_and_top_k_one_agree_and_seeds_reproduce():
     torch.manual_seed(0)
     logits = torch.randn(3, 50)

@@ -124,7 +124,7 @@ class Chain(_message.Message):
     def __init__(self, replica: _Optional[int] = ..., model_id: _Optional[str] = ..., addresses: _Optional[_Iterable[str]] = ..., active_sequences: _Optional[int] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("workers", "chains", "active_requests", "queued_requests", "failovers", "last_failover_gap_seconds", "max_failover_gap_seconds")
+    __slots__ = ("workers", "chains", "active_requests", "queued_requests", "failovers", "last_failover_gap_seconds", "max_failover_gap_seconds", "shared_prefix_tokens")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     CHAINS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,7 @@ class ClusterStatusResponse(_message.Message):
     FAILOVERS_FIELD_NUMBER: _ClassVar[int]
     LAST_FAILOVER_GAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_FAILOVER_GAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[ClusterWorker]
     chains: _containers.RepeatedCompositeFieldContainer[Chain]
     active_requests: int
@@ -139,7 +140,8 @@ class ClusterStatusResponse(_message.Message):
     failovers: int
     last_failover_gap_seconds: float
     max_failover_gap_seconds: float
-    def __init__(self, workers: _Optional[_Iterable[_Union[ClusterWorker, _Mapping]]] = ..., chains: _Optional[_Iterable[_Union[Chain, _Mapping]]] = ..., active_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., failovers: _Optional[int] = ..., last_failover_gap_seconds: _Optional[float] = ..., max_failover_gap_seconds: _Optional[float] = ...) -> None: ...
+    shared_prefix_tokens: int
+    def __init__(self, workers: _Optional[_Iterable[_Union[ClusterWorker, _Mapping]]] = ..., chains: _Optional[_Iterable[_Union[Chain, _Mapping]]] = ..., active_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., failovers: _Optional[int] = ..., last_failover_gap_seconds: _Optional[float] = ..., max_failover_gap_seconds: _Optional[float] = ..., shared_prefix_tokens: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("worker",)
