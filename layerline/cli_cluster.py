@@ -136,7 +136,8 @@ def _run_status(args: argparse.Namespace) -> int:
         status = client.cluster()
     print(f"{len(status.chains)} chain(s), {status.active_requests} active, {status.queued_requests} queued, "
           f"{status.failovers} failover(s) (gap last {status.last_failover_gap_seconds:.2f}s, "
-          f"max {status.max_failover_gap_seconds:.2f}s)")
+          f"max {status.max_failover_gap_seconds:.2f}s), {status.shared_prefix_tokens} prompt token(s) "
+          f"shared from a live sequence's KV")
     for chain in status.chains:
         print(f"  chain {chain.replica}: {' -> '.join(chain.addresses)} ({chain.active_sequences} sequences)")
     print(f"{'address':22} {'layers':>9} {'replica':>7} {'tp':>3} {'state':12} {'pid':>7} {'kv free':>13}")

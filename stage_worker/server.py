@@ -140,7 +140,8 @@ class StageWorker:
             tp = tp_group.join_group(rank=0, size=s.tp, master=master, timeout_s=s.tp_timeout, device=s.device)
             self.engine = LeadingEngine(self.build_engine(tp), tp.group)  # type: ignore[assignment]
         model = self.engine.model
-        self.weights_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+        held = {id(t): t for t in model.state_dict(keep_vars=True).values()}  # parameters and packed weights
+        self.weights_bytes = sum(t.numel() * t.element_size() for t in held.values())
         self.engine.probe()
 
     def info(self) -> common_pb2.WorkerInfo:
