@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from .cli_support import (
     HelpFormatter,
@@ -17,6 +18,10 @@ from .cli_support import (
 
 
 def _run_stage(args: argparse.Namespace) -> int:
+    # torch's allocator then asks for transparent huge pages for its large blocks (the weights, the
+    # KV pool): fewer TLB misses while a decode step streams every weight. Read once, at torch's
+    # first allocation, so set before torch is imported; an explicit THP_MEM_ALLOC_ENABLE wins.
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     from layerline.rpc import parse_size
 
     configure_logging()
