@@ -352,16 +352,16 @@ class StageModel(nn.Module):
     def is_first(self) -> bool:
         return self.embed_tokens is not None
 
+    @property
+    def is_last(self) -> bool:
+        return self.lm_head is not None
+
     def pack_linears(self, *, keep_plain: bool) -> None:
         """Wrap every linear layer (and the LM head) in its `PackedLinear`, once, after loading."""
         for owner in list(self.modules()):
             for name, child in list(owner.named_children()):
                 if isinstance(child, (TransposedLinear, Linear, LMHead)):
                     setattr(owner, name, PackedLinear(child, keep_plain=keep_plain))
-
-    @property
-    def is_last(self) -> bool:
-        return self.lm_head is not None
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin, each [T, 1, head_dim], computed in float32 then cast."""

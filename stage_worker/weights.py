@@ -112,6 +112,8 @@ def load_stage(
     (sliced reads from the file, never the whole tensor then cut). `weight_layout` says
     whether float32 linear layers on CPU are also, or only, kept packed for oneDNN (`PackedLinear`).
     """
+    if weight_layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight layout {weight_layout!r} is not one of {', '.join(WEIGHT_LAYOUTS)}")
     config = config or ModelConfig.from_checkpoint(checkpoint)
     layers.check(config.num_layers)
     reader = reader or CheckpointReader(checkpoint)
@@ -145,8 +147,6 @@ def load_stage(
         state[param] = loaded[(source, piece)]
     model.load_state_dict(_fused(state, layers), strict=True, assign=True)
     model.inv_freq = rope_inv_freq(config.rope, config.head_dim).to(device)
-    if weight_layout not in WEIGHT_LAYOUTS:
-        raise ValueError(f"weight layout {weight_layout!r} is not one of {', '.join(WEIGHT_LAYOUTS)}")
     if weight_layout != "plain" and can_pack(dtype, device):
         model.pack_linears(keep_plain=weight_layout == "both")
     return model.eval()
