@@ -148,7 +148,7 @@ def load_stage(
     model.load_state_dict(_fused(state, layers), strict=True, assign=True)
     model.inv_freq = rope_inv_freq(config.rope, config.head_dim).to(device)
     if weight_layout != "plain" and can_pack(dtype, device):
-        model.pack_linears(keep_plain=weight_layout == "both")
+        model.pack_linears(keep_plain=weight_layout == "both" and dtype == torch.float32)
     return model.eval()
 
 

@@ -126,6 +126,10 @@ def test_half_precision_tracks_transformers_at_the_same_dtype(tmp_path, dtype):
     assert ours.dtype == torch.float32
     assert (ours - theirs).abs().max().item() < 0.1
     assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item() >= 0.9
+    from layerline.stage_worker.llama import PackedLinear, can_pack
+
+    packed = [m for m in pipe.stages[0].modules() if isinstance(m, PackedLinear)]  # bfloat16 packs, alone
+    assert len(packed) == (4 * 4 + 1 if can_pack(dtype, "cpu") else 0) and all(m.plain is None for m in packed)
 
 
 def test_missing_tensor_is_named(tmp_path):
