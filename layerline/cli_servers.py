@@ -132,7 +132,8 @@ def _run_coordinator(args: argparse.Namespace) -> int:
     settings = CoordinatorSettings(
         model=args.model, host=args.host, port=args.port, default_max_tokens=args.default_max_tokens,
         max_active=args.max_active, max_queued=args.max_queued, rate_limit=args.rate_limit,
-        token_budget=args.token_budget, share_prefixes=not args.no_prefix_sharing, depth=args.depth, telemetry=telemetry_settings(args, host=args.host),
+        token_budget=args.token_budget, share_prefixes=not args.no_prefix_sharing, depth=args.depth,
+        telemetry=telemetry_settings(args, host=args.host),
     )
     with reported_as_errors(ModelStoreError, ValueError, OSError):
         return run_coordinator(settings)

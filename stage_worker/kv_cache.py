@@ -161,18 +161,13 @@ class PagedKVCache:
         its blocks like any sequence (nothing is shared, nothing is counted twice on release).
         """
         assert target not in self._tables and 0 < length <= self.length(source)
-        block = self.shape.block_size
-        need = -(-(length + room_for) // block)
-        if need > len(self._free):
-            raise KVCacheExhausted(target, needed_blocks=need, free_blocks=len(self._free))
-        table = [self._free.pop() for _ in range(need)]
-        src, dst = self._tables[source], table
-        index = torch.tensor([[src[p // block] * block + p % block, dst[p // block] * block + p % block]
-                              for p in range(length)], dtype=torch.long, device=self.device)
+        self.reserve(target, length + room_for)
+        block, prefix = self.shape.block_size, range(length)
+        src = torch.tensor(_slots(self._tables[source], block, prefix), dtype=torch.long, device=self.device)
+        dst = torch.tensor(_slots(self._tables[target], block, prefix), dtype=torch.long, device=self.device)
         for pools in (self.k, self.v):
             for pool in pools.values():
-                pool.index_copy_(0, index[:, 1], pool.index_select(0, index[:, 0]))
-        self._tables[target] = table
+                pool.index_copy_(0, dst, pool.index_select(0, src))
         self._lengths[target] = length
 
     def release(self, sequence_id: str) -> bool:
@@ -208,15 +203,14 @@ class PagedKVCache:
             table = self._tables[seq]
             end = start + n
             positions.extend(range(start, end))
-            write.extend(table[p // block] * block + p % block for p in range(start, end))
+            write.extend(_slots(table, block, range(start, end)))
             windowed = sliding_window is not None and end > sliding_window
             if n == 1 and not windowed:
                 decode_rows.append(row)
                 decode_tables.append(table[: -(-end // block)])
                 decode_lens.append(end)
             else:
-                slots = [table[p // block] * block + p % block for p in range(end)]
-                prefills.append(_prefill_span(row, start, end, slots, sliding_window))
+                prefills.append(_prefill_span(row, start, end, _slots(table, block, range(end)), sliding_window))
             self._lengths[seq] = end
             row += n
         width = max((len(t) for t in decode_tables), default=0)
@@ -235,6 +229,11 @@ class PagedKVCache:
             decode_mask=mask.to(self.device),
             prefills=tuple(prefills),
         )
+
+
+def _slots(table: list[int], block_size: int, positions: range) -> list[int]:
+    """The cache slots of a sequence's `positions`, given its block table."""
+    return [table[p // block_size] * block_size + p % block_size for p in positions]
 
 
 def _prefill_span(
