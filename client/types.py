@@ -56,6 +56,7 @@ class WorkerLoad:
     active_sequences: int  # sequences holding KV on the worker
     kv_blocks_free: int
     kv_blocks_total: int
+    kv_blocks_cached: int = 0  # held for the chain's cache of finished sequences (the coordinator's count)
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,8 @@ class ChainStatus:
     model_id: str
     addresses: list[str]  # its stages, first layer first
     active_sequences: int
+    cached_prefixes: int = 0  # finished sequences whose KV stays on the chain for later prompts
+    cached_prefix_tokens: int = 0  # KV positions they hold on each stage
 
 
 @dataclass(frozen=True)
@@ -95,4 +98,4 @@ class ClusterStatus:
     failovers: int = 0  # sequences moved off a chain that lost a worker, since the coordinator started
     last_failover_gap_seconds: float = 0.0  # from a failure to the moved sequence's next token
     max_failover_gap_seconds: float = 0.0
-    shared_prefix_tokens: int = 0  # prompt tokens copied from a live sequence's KV instead of computed
+    shared_prefix_tokens: int = 0  # prompt tokens copied from a live or cached sequence's KV, not computed

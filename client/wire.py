@@ -168,12 +168,14 @@ def cluster_from(response: coordinator_pb2.ClusterStatusResponse) -> ClusterStat
                 state=_enum_name(common_pb2.WorkerState, w.state).removeprefix("WORKER_STATE_"),
                 dtype=_enum_name(tensor_pb2.DType, w.dtype).lower(),
                 device=w.device,
-                load=WorkerLoad(w.in_flight_steps, w.active_sequences, w.kv_blocks_free, w.kv_blocks_total),
+                load=WorkerLoad(w.in_flight_steps, w.active_sequences, w.kv_blocks_free, w.kv_blocks_total,
+                                entry.kv_blocks_cached),
                 seconds_since_heartbeat=entry.seconds_since_heartbeat,
                 weights_bytes=w.weights_bytes,
             )
         )
-    chains = [ChainStatus(c.replica, c.model_id, list(c.addresses), c.active_sequences) for c in response.chains]
+    chains = [ChainStatus(c.replica, c.model_id, list(c.addresses), c.active_sequences, c.cached_prefixes,
+                          c.cached_prefix_tokens) for c in response.chains]
     return ClusterStatus(
         workers, chains, response.active_requests, response.queued_requests, response.failovers,
         response.last_failover_gap_seconds, response.max_failover_gap_seconds, response.shared_prefix_tokens,

@@ -60,7 +60,8 @@ class ChainClient:
 
     async def __call__(self, step: PlannedStep) -> list[Outcome]:
         header = stage_pb2.StepHeader(
-            step_id=next(self._ids), model_id=self.model_id, route=self.addresses[1:]
+            step_id=next(self._ids), model_id=self.model_id, route=self.addresses[1:],
+            release_sequence_ids=step.release,
         )
         for s in step.slices:
             seq = header.sequences.add(

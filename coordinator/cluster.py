@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 UNAVAILABLE = 14
 DEADLINE_EXCEEDED = 4
 FAILOVER_CODES = (UNAVAILABLE, DEADLINE_EXCEEDED)  # a hop is gone or stuck: move, do not fail
+DEFAULT_PREFIX_CACHE = 0.25  # share of a chain's KV memory that finished sequences may keep as lenders
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class Cluster:
         max_message_bytes: int,
         token_budget: int,
         share_prefixes: bool = True,
+        prefix_cache: float = DEFAULT_PREFIX_CACHE,
         depth: int | None = None,
         failover: FailoverPolicy = FailoverPolicy(),
         tracer: Tracer | None = None,
@@ -81,6 +83,7 @@ class Cluster:
         self.max_message_bytes = max_message_bytes
         self.token_budget = token_budget
         self.share_prefixes = share_prefixes
+        self.prefix_cache = prefix_cache  # share of a chain's KV memory that finished prefixes may keep
         self.depth = depth
         self.chains: list[RunningChain] = []
         self._version = -1
@@ -116,11 +119,16 @@ class Cluster:
             tracer=self.tracer,
         )
         holder: list[RunningChain] = []
+        kv_tokens = min(w.kv_blocks_total * max(w.kv_block_size, 1) for w in workers)  # the smallest stage's
+        block_size = max(max(w.kv_block_size, 1) for w in workers)
         scheduler = ChainScheduler(
             client,
             depth=self.depth or len(workers),
             token_budget=self.token_budget,
             share_prefixes=self.share_prefixes,
+            cache_tokens=int(self.prefix_cache * kv_tokens),
+            block_size=block_size,
+            kv_blocks=kv_tokens // block_size,
             on_step_failed=lambda seqs, err: self._step_failed(holder[0], seqs, err),
             release=client.release,
             on_failover_gap=self._failover_gap,
@@ -135,7 +143,8 @@ class Cluster:
         seqs = list(chain.scheduler.sequences.values())
         chain.scheduler.sequences.clear()
         self._move(seqs, reason)
-        asyncio.get_running_loop().create_task(self._close(chain, release=[s.sequence_id for s in seqs]))
+        cached = list(chain.scheduler.cached)
+        asyncio.get_running_loop().create_task(self._close(chain, release=[s.sequence_id for s in seqs] + cached))
 
     async def _close(self, chain: RunningChain, *, release: list[str] | None = None) -> None:
         await chain.scheduler.stop()
@@ -232,9 +241,9 @@ class Cluster:
         if due:
             self.refresh()
 
-    def replica_of(self, address: str) -> int | None:
-        return next((c.replica for c in self.chains if address in c.addresses), None)
+    def chain_of(self, address: str) -> RunningChain | None:
+        return next((c for c in self.chains if address in c.addresses), None)
 
     async def close(self) -> None:
-        for chain in self.chains:
-            await self._close(chain)
+        for chain in self.chains:  # what the cache of finished prefixes holds is freed on the stages
+            await self._close(chain, release=list(chain.scheduler.cached))

@@ -106,6 +106,7 @@ class Generation:
             self._emit(emit)
         self.finished = True
         self.sequence.done = True  # no further step is planned for it, even before it is released
+        self.sequence.complete = True  # its KV may stay on the chain as a lender (the prefix cache)
         self._events.put_nowait(Finished(reason, len(self.prompt_ids), len(self.sequence.generated)))
 
     def _on_error(self, code: int, message: str) -> None:

@@ -30,6 +30,7 @@ class Worker:
     device: str = "cpu"
     kv_blocks_total: int = 0
     kv_blocks_free: int = 0
+    kv_block_size: int = 0  # tokens per KV block
     in_flight_steps: int = 0
     active_sequences: int = 0
     state: str = "SERVING"
@@ -53,7 +54,8 @@ class Registry:
         self._entries: dict[str, _Entry] = {}
         self.version = 0  # bumped on every change of membership
 
-    def register(self, worker: Worker) -> None:
+    def register(self, worker: Worker) -> bool:
+        """Add or refresh a worker; True if this very instance was registered already."""
         if worker.num_layers != self.num_layers:
             raise ValueError(
                 f"worker {worker.address} serves a model of {worker.num_layers} layers; "
@@ -61,10 +63,13 @@ class Registry:
             )
         old = self._entries.get(worker.address)
         entry = self._entries[worker.address] = _Entry(worker)
-        if old is not None and old.worker.instance_id == worker.instance_id:
-            entry.ready, entry.probed_at = old.ready, old.probed_at  # the same process again
-        if old is None or old.worker.instance_id != worker.instance_id or old.worker.state != worker.state:
+        if old is None or old.worker.instance_id != worker.instance_id:
             self.version += 1
+            return False
+        entry.ready, entry.probed_at = old.ready, old.probed_at  # the same process again
+        if old.worker.state != worker.state:
+            self.version += 1
+        return True
 
     def heartbeat(self, worker: Worker) -> bool:
         """Refresh a known worker instance; False when it must register again."""

@@ -6,6 +6,12 @@ others. Up to `depth` micro-batches are in flight at once (default: the chain's 
 with different sequences, so every stage has work while the others compute. Sequences join
 and leave between steps.
 
+A new sequence whose first tokens another already computed copies their KV at every stage
+instead of computing them. Lenders are the live sequences of the chain and a cache of finished
+ones: a sequence that ended normally keeps its KV on the chain (least recently used first out)
+while the cache holds fewer tokens than its budget, a share of the chain's KV memory, so a
+second request with the same system prompt, or the next turn of a chat, starts from it.
+
 Knows nothing of text, of gRPC or of the wire: it hands `PlannedStep`s to a `StepSender` and
 gets `Outcome`s back.
 """
@@ -13,10 +19,12 @@ gets `Outcome`s back.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -24,9 +32,10 @@ from layerline.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-# A new sequence whose first tokens equal this many or more of a live sequence's on the same
-# chain (a shared system prompt, the same question twice) copies their KV instead of computing it.
+# A new sequence whose first tokens equal this many or more of a live or cached sequence's on the
+# same chain (a shared system prompt, the same question twice) copies their KV instead of computing it.
 MIN_SHARED_PREFIX = 4
+RESOURCE_EXHAUSTED = 8  # the gRPC status code a stage answers when its KV cache is full
 
 
 @dataclass
@@ -43,6 +52,7 @@ class Sequence:
     in_flight: bool = False
     lent: int = 0  # steps in flight that copy a prefix of its KV: it is released after them
     done: bool = False
+    complete: bool = False  # ended normally (a stop or its length), not cancelled or failed
     moves: int = 0  # times it was moved to another chain after a failure
     failed_at: float | None = None  # when its chain failed, until its next token arrives
     trace_context: dict[str, str] = field(default_factory=dict)
@@ -64,6 +74,7 @@ class Slice:
 @dataclass(frozen=True)
 class PlannedStep:
     slices: tuple[Slice, ...]
+    release: tuple[str, ...] = ()  # cached sequences each stage frees before this step's work
 
 
 @dataclass(frozen=True)
@@ -99,6 +110,9 @@ class ChainScheduler:
         depth: int,
         token_budget: int = 512,
         share_prefixes: bool = True,
+        cache_tokens: int = 0,
+        block_size: int = 1,
+        kv_blocks: int | None = None,
         on_step_failed: Callable[[list[Sequence], StepFailed], None],
         release: Callable[[list[str]], Awaitable[None]],
         on_failover_gap: Callable[[float], None] = lambda seconds: None,
@@ -108,6 +122,12 @@ class ChainScheduler:
         self.depth = max(1, depth)
         self.token_budget = token_budget
         self.share_prefixes = share_prefixes
+        # Finished sequences whose KV stays on the chain as lenders, least recently used first;
+        # they hold at most `cache_tokens` positions, each rounded up to whole KV blocks.
+        self.cache_tokens = cache_tokens if share_prefixes else 0
+        self.block_size = max(1, block_size)
+        self.kv_blocks = kv_blocks  # blocks of `block_size` on the chain's smallest stage; None: unknown
+        self.cached: OrderedDict[str, Sequence] = OrderedDict()
         self.on_step_failed = on_step_failed
         self.release = release
         self.on_failover_gap = on_failover_gap
@@ -120,6 +140,15 @@ class ChainScheduler:
     @property
     def load(self) -> int:
         return len(self.sequences)
+
+    @property
+    def cached_tokens(self) -> int:
+        """KV positions the cache of finished sequences holds on each stage of the chain."""
+        return sum(s.fed for s in self.cached.values())
+
+    def cached_blocks(self, block_size: int) -> int:
+        """KV blocks of `block_size` tokens the cache holds on one stage."""
+        return sum(-(-s.fed // block_size) for s in self.cached.values())
 
     def add(self, seq: Sequence) -> None:
         self.sequences[seq.sequence_id] = seq
@@ -137,9 +166,60 @@ class ChainScheduler:
         self._wake.set()
 
     def _release_if_idle(self, seq: Sequence) -> None:
-        """Free a finished sequence's KV once no step in flight runs it or copies from it."""
-        if seq.done and seq.sequence_id not in self.sequences and not seq.in_flight and not seq.lent:
-            asyncio.get_running_loop().create_task(self.release([seq.sequence_id]))
+        """Cache or free a finished sequence's KV once no step in flight runs it or copies from it."""
+        if not seq.done or seq.sequence_id in self.sequences or seq.in_flight or seq.lent:
+            return
+        if seq.sequence_id in self.cached:
+            self._evict()  # it may have stayed past the budget while lent
+        elif seq.complete and seq.fed >= MIN_SHARED_PREFIX and self._blocks(seq) <= self._cache_blocks:
+            self.cached[seq.sequence_id] = seq
+            self._evict()
+        else:
+            self._free([seq])
+
+    @property
+    def _cache_blocks(self) -> int:
+        return self.cache_tokens // self.block_size
+
+    def _blocks(self, seq: Sequence) -> int:
+        return -(-seq.fed // self.block_size)
+
+    def _evict(self) -> None:
+        """Free the least recently used cached sequences (not lent) until the cache fits its budget."""
+        self._free(self._evicted(self._cache_blocks))
+
+    def _evicted(self, limit: int, *, keep: Collection[str] = ()) -> list[Sequence]:
+        """Take cached sequences out, least recently used first, until they hold at most `limit`
+        blocks; lent ones and those in `keep` stay."""
+        over = sum(self._blocks(s) for s in self.cached.values()) - limit
+        out: list[Sequence] = []
+        for seq in list(self.cached.values()):
+            if over <= 0:
+                break
+            if not seq.lent and seq.sequence_id not in keep:
+                del self.cached[seq.sequence_id]
+                out.append(seq)
+                over -= self._blocks(seq)
+        return out
+
+    def _room_for_cache(self) -> int:
+        """Blocks the cache may hold beside what the live sequences need for their next tokens."""
+        if self.kv_blocks is None:
+            return self._cache_blocks
+        live = sum(-(-(len(s.history) + 1) // self.block_size) for s in self.sequences.values())
+        return max(0, min(self._cache_blocks, self.kv_blocks - live))
+
+    def drop_cache(self) -> None:
+        """Free the whole cache of finished sequences; a lent one goes when its copies are done."""
+        for seq in self.cached.values():
+            seq.complete = False  # not cached again when its last copy returns
+        dropped = [s for s in self.cached.values() if not s.lent]
+        self.cached.clear()
+        self._free(dropped)
+
+    def _free(self, seqs: list[Sequence]) -> None:
+        if seqs:
+            asyncio.get_running_loop().create_task(self.release([s.sequence_id for s in seqs]))
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -156,6 +236,8 @@ class ChainScheduler:
                     s.seq.in_flight = True
                     if s.prefix_from is not None:
                         s.prefix_from.lent += 1
+                        if s.prefix_from.sequence_id in self.cached:
+                            self.cached.move_to_end(s.prefix_from.sequence_id)  # used: last out
                         self.on_shared_prefix(s.start)
                 asyncio.get_running_loop().create_task(self._dispatch(step))
             self._wake.clear()
@@ -181,10 +263,16 @@ class ChainScheduler:
             budget -= n
             end = start + n
             slices.append(Slice(seq, start, tuple(history[start:end]), sample=end == len(history), prefix_from=donor))
-        return PlannedStep(tuple(slices)) if slices else None
+        if not slices:
+            return None
+        # The live sequences come first: cached ones they need room from are freed by every
+        # stage just before this step, in order with the steps (never the ones it copies from).
+        donors = {s.prefix_from.sequence_id for s in slices if s.prefix_from is not None}
+        evicted = self._evicted(self._room_for_cache(), keep=donors) if self.cached else []
+        return PlannedStep(tuple(slices), release=tuple(s.sequence_id for s in evicted))
 
     def _prefix_donor(self, seq: Sequence) -> tuple[Sequence | None, int]:
-        """The live sequence on this chain whose KV holds the longest prefix of `seq`'s history.
+        """The live or cached sequence on this chain whose KV holds the longest prefix of `seq`'s history.
 
         Only tokens whose step came back count (`fed`), so every stage holds them; steps reach
         each stage in order, so the copy runs after them. At least the last token is left to
@@ -192,8 +280,10 @@ class ChainScheduler:
         """
         history = seq.history
         best, length = None, MIN_SHARED_PREFIX - 1
-        for other in self.sequences.values():
-            if other is seq or other.done or other.fed <= length or other.prompt[0] != history[0]:
+        for other in itertools.chain(self.sequences.values(), self.cached.values()):
+            if other is seq or other.fed <= length or other.prompt[0] != history[0]:
+                continue
+            if other.done and other.sequence_id not in self.cached:  # about to be freed
                 continue
             n = _common_prefix(history, other.history, min(other.fed, len(history) - 1))
             if n > length:
@@ -204,6 +294,8 @@ class ChainScheduler:
         try:
             outcomes = await self.send(step)
         except StepFailed as err:
+            if step.release:  # the stages may not have seen the step that frees them
+                asyncio.get_running_loop().create_task(self.release(list(step.release)))
             mine = [s.seq for s in step.slices if self._owns(s.seq)]
             for seq in mine:
                 seq.in_flight = False
@@ -236,6 +328,8 @@ class ChainScheduler:
             seq.on_error(13, f"the chain returned no result for sequence {seq.sequence_id}")
             return
         if outcome.error_code:
+            if outcome.error_code == RESOURCE_EXHAUSTED:  # a stage's KV is full: the cache gives way
+                self.drop_cache()
             seq.on_error(outcome.error_code, outcome.error_message)
             return
         seq.fed = s.start + len(s.token_ids)

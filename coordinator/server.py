@@ -22,7 +22,7 @@ from layerline.protos.v1 import coordinator_pb2_grpc
 from layerline.rpc import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from layerline.telemetry import Telemetry, TelemetrySettings
 
-from .cluster import Cluster
+from .cluster import DEFAULT_PREFIX_CACHE, Cluster
 from .registry import Registry
 from .servicer import Admission, CoordinatorServicer, RegistryServicer
 from .telemetry import CoordinatorTelemetry
@@ -43,6 +43,7 @@ class CoordinatorSettings:
     rate_limit: float = 1000.0  # new requests admitted per second
     token_budget: int = 512  # tokens per micro-batch step
     share_prefixes: bool = True  # a new sequence copies the KV of a prefix a live one already computed
+    prefix_cache: float = DEFAULT_PREFIX_CACHE  # share of a chain's KV that finished sequences may keep
     depth: int | None = None  # micro-batches in flight per chain; default: the chain's length
     heartbeat_interval: float = 1.0  # seconds between a worker's heartbeats
     heartbeat_expiry: float = 5.0  # a worker unheard of this long leaves routing
@@ -59,7 +60,8 @@ async def serve(settings: CoordinatorSettings, *, stop: asyncio.Event | None = N
     telemetry = Telemetry(settings.telemetry, service="layerline-coordinator")
     cluster = Cluster(
         registry, max_message_bytes=settings.max_message_bytes, token_budget=settings.token_budget,
-        share_prefixes=settings.share_prefixes, depth=settings.depth, tracer=telemetry.tracer,
+        share_prefixes=settings.share_prefixes, prefix_cache=settings.prefix_cache, depth=settings.depth,
+        tracer=telemetry.tracer,
     )
     server = grpc.aio.server(options=channel_options(settings.max_message_bytes))
     admission = Admission(

@@ -223,13 +223,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             entry = response.workers.add(
                 worker=_worker_info(w), seconds_since_heartbeat=registry.seconds_since(w.address)
             )
-            replica = self.cluster.replica_of(w.address)
-            if replica is not None:
-                entry.replica = replica
+            chain = self.cluster.chain_of(w.address)
+            if chain is not None:
+                entry.replica = chain.replica
+                entry.kv_blocks_cached = chain.scheduler.cached_blocks(max(w.kv_block_size, 1))
         for chain in self.cluster.chains:
             response.chains.add(
                 replica=chain.replica, model_id=chain.workers[0].model_id,
                 addresses=chain.addresses, active_sequences=chain.scheduler.load,
+                cached_prefixes=len(chain.scheduler.cached), cached_prefix_tokens=chain.scheduler.cached_tokens,
             )
         return response
 
@@ -244,13 +246,14 @@ class RegistryServicer(coordinator_pb2_grpc.RegistryServicer):
     ) -> coordinator_pb2.RegisterResponse:
         worker = _worker(request.worker)
         try:
-            self.cluster.registry.register(worker)
+            known = self.cluster.registry.register(worker)
         except ValueError as err:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         log.info("worker %s registered: layers [%d, %d), pid %d", worker.address,
                  worker.layer_start, worker.layer_end, worker.pid)
         self.cluster.refresh()
-        return coordinator_pb2.RegisterResponse(heartbeat_interval_ms=int(self.heartbeat_interval * 1000))
+        return coordinator_pb2.RegisterResponse(heartbeat_interval_ms=int(self.heartbeat_interval * 1000),
+                                                known=known)
 
     async def Heartbeat(
         self, request: coordinator_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
@@ -274,7 +277,7 @@ def _worker(info: common_pb2.WorkerInfo) -> Worker:
         model_name=info.model_name, layer_start=info.layer_start, layer_end=info.layer_end,
         num_layers=info.num_layers, host=info.host, pid=info.pid, tp_size=info.tp_size,
         dtype=tensor_pb2.DType.Name(info.dtype).lower(), device=info.device,
-        kv_blocks_total=info.kv_blocks_total, kv_blocks_free=info.kv_blocks_free,
+        kv_blocks_total=info.kv_blocks_total, kv_blocks_free=info.kv_blocks_free, kv_block_size=info.kv_block_size,
         in_flight_steps=info.in_flight_steps, active_sequences=info.active_sequences,
         weights_bytes=info.weights_bytes, state=common_pb2.WorkerState.Name(info.state).removeprefix("WORKER_STATE_"),
     )
@@ -287,6 +290,7 @@ def _worker_info(w: Worker) -> common_pb2.WorkerInfo:
         model_name=w.model_name, layer_start=w.layer_start, layer_end=w.layer_end,
         num_layers=w.num_layers, dtype=tensor_pb2.DType.Value(w.dtype.upper()), device=w.device,
         tp_size=w.tp_size, kv_blocks_total=w.kv_blocks_total, kv_blocks_free=w.kv_blocks_free,
+        kv_block_size=w.kv_block_size,
         in_flight_steps=w.in_flight_steps, active_sequences=w.active_sequences, weights_bytes=w.weights_bytes,
         state=common_pb2.WorkerState.Value(state) if state in common_pb2.WorkerState.keys()
         else common_pb2.WORKER_STATE_NOT_SERVING,

@@ -137,15 +137,18 @@ def _run_status(args: argparse.Namespace) -> int:
     print(f"{len(status.chains)} chain(s), {status.active_requests} active, {status.queued_requests} queued, "
           f"{status.failovers} failover(s) (gap last {status.last_failover_gap_seconds:.2f}s, "
           f"max {status.max_failover_gap_seconds:.2f}s), {status.shared_prefix_tokens} prompt token(s) "
-          f"shared from a live sequence's KV")
+          f"copied from another sequence's KV")
     for chain in status.chains:
-        print(f"  chain {chain.replica}: {' -> '.join(chain.addresses)} ({chain.active_sequences} sequences)")
-    print(f"{'address':22} {'layers':>9} {'replica':>7} {'tp':>3} {'state':12} {'pid':>7} {'kv free':>13}")
+        print(f"  chain {chain.replica}: {' -> '.join(chain.addresses)} ({chain.active_sequences} sequences; "
+              f"{chain.cached_prefixes} finished kept as a prefix cache, {chain.cached_prefix_tokens} tokens)")
+    print(f"{'address':22} {'layers':>9} {'replica':>7} {'tp':>3} {'state':12} {'pid':>7} {'kv free':>13} "
+          f"{'cached':>7}")
     for w in status.workers:
         layers = f"{w.layers[0]}:{w.layers[1]}"
         replica = "-" if w.replica is None else str(w.replica)
         kv = f"{w.load.kv_blocks_free}/{w.load.kv_blocks_total}"
-        print(f"{w.address:22} {layers:>9} {replica:>7} {w.tp:>3} {w.state:12} {w.pid:>7} {kv:>13}")
+        print(f"{w.address:22} {layers:>9} {replica:>7} {w.tp:>3} {w.state:12} {w.pid:>7} {kv:>13} "
+              f"{w.load.kv_blocks_cached:>7}")
     return 0
 
 

@@ -124,6 +124,16 @@ def add_stage_commands(commands: Subcommands) -> None:
 # --- layerline coordinator ----------------------------------------------------------------
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction from 0 up to (not including) 1")
+    return value
+
+
 def _run_coordinator(args: argparse.Namespace) -> int:
     configure_logging()
     from layerline.coordinator.server import CoordinatorSettings, run_coordinator
@@ -132,7 +142,8 @@ def _run_coordinator(args: argparse.Namespace) -> int:
     settings = CoordinatorSettings(
         model=args.model, host=args.host, port=args.port, default_max_tokens=args.default_max_tokens,
         max_active=args.max_active, max_queued=args.max_queued, rate_limit=args.rate_limit,
-        token_budget=args.token_budget, share_prefixes=not args.no_prefix_sharing, depth=args.depth,
+        token_budget=args.token_budget, share_prefixes=not args.no_prefix_sharing,
+        prefix_cache=args.prefix_cache, depth=args.depth,
         telemetry=telemetry_settings(args, host=args.host),
     )
     with reported_as_errors(ModelStoreError, ValueError, OSError):
@@ -167,7 +178,13 @@ def add_coordinator_commands(commands: Subcommands) -> None:
                    help="tokens per micro-batch step; longer prompts are prefilled in chunks (default: 512)")
     c.add_argument("--no-prefix-sharing", action="store_true",
                    help="compute every prompt in full; by default a new sequence whose first tokens "
-                        "(4 or more) match a live sequence's on its chain copies their KV instead")
+                        "(4 or more) match those of a live or cached sequence on its chain copies "
+                        "their KV instead")
+    c.add_argument("--prefix-cache", type=_fraction, default=0.25, metavar="F",
+                   help="share of each chain's KV memory (that of its smallest stage) in which requests "
+                        "that ended keep their KV, least recently used out first, for later prompts "
+                        "that start the same way: a system prompt, the turns of a chat; 0 frees every "
+                        "request's KV when it ends (default: 0.25)")
     c.add_argument("--depth", type=int, metavar="N",
                    help="micro-batches in flight per chain (default: the chain's length)")
     add_telemetry_flags(c, metrics_port_help="serve Prometheus metrics (latency histograms, requests running "

@@ -271,10 +271,13 @@ class StageWorker:
             while True:
                 try:
                     if not known:
+                        held = await self._held_sequences()  # before registering: no step of this registration
                         reply = await stub.Register(coordinator_pb2.RegisterRequest(worker=self.info()), timeout=5)
                         interval = max(reply.heartbeat_interval_ms / 1000, 0.05)
                         log.info("registered with coordinator %s", coordinator)
                         known = True
+                        if not reply.known and held:
+                            await self._free_orphans(held)
                     else:
                         beat = await stub.Heartbeat(coordinator_pb2.HeartbeatRequest(worker=self.info()), timeout=5)
                         known = beat.known
@@ -285,6 +288,18 @@ class StageWorker:
                     if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
                         log.error("coordinator %s refused this stage: %s", coordinator, err.details())
                 await asyncio.sleep(interval)
+
+    async def _held_sequences(self) -> list[str]:
+        if self.servicer is None:
+            return []
+        held = await self.servicer.on_compute_thread(self.engine.cache.sequences)  # where the cache changes
+        return [sid for sid in held if not sid.startswith("\x00")]  # not a probe's scratch sequence
+
+    async def _free_orphans(self, held: list[str]) -> None:
+        """Free the KV of sequences the coordinator no longer routes to: it did not know this worker."""
+        assert self.servicer is not None
+        freed = await self.servicer.on_compute_thread(lambda: sum(self.engine.release(s) for s in held))
+        log.warning("coordinator did not know this worker: freed %d sequence(s) it no longer routes to", freed)
 
     async def _deregister(self, coordinator: str, reason: str) -> None:
         async with grpc.aio.insecure_channel(coordinator) as channel:

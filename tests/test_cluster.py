@@ -163,15 +163,17 @@ def test_a_cancelled_stream_releases_its_kv_on_every_stage(cluster):
     from layerline.protos.v1 import stage_pb2, stage_pb2_grpc
 
     def kv() -> dict[str, tuple[int, int]]:
-        """(free, total) KV blocks of each stage, read from the stage itself."""
+        """(free, total less the prefix cache's) KV blocks of each stage, read from the stage itself."""
+        cached = {w.address: w.load.kv_blocks_cached for w in client.cluster().workers}
         out = {}
         for address in addresses:
             with grpc.insecure_channel(address) as channel:
                 info = stage_pb2_grpc.StageWorkerStub(channel).Info(stage_pb2.InfoRequest(), timeout=10).worker
-                out[address] = (info.kv_blocks_free, info.kv_blocks_total)
+                out[address] = (info.kv_blocks_free, info.kv_blocks_total - cached[address])
         return out
 
     def wait_all_free() -> dict[str, tuple[int, int]]:
+        """Every block not kept by the cache of finished requests is free again."""
         deadline = time.monotonic() + 15
         now = kv()
         while any(f != t for f, t in now.values()) and time.monotonic() < deadline:
@@ -183,6 +185,7 @@ def test_a_cancelled_stream_releases_its_kv_on_every_stage(cluster):
         addresses = [w.address for w in client.cluster().workers]
         before = wait_all_free()  # releases of earlier tests' requests land asynchronously
         assert all(f == t for f, t in before.values()), before
+        cached_before = client.cluster().chains[0].cached_prefix_tokens
         other = client.stream(PROMPTS[3], max_tokens=12, temperature=0.0)
         stream = iter(client.stream(PROMPTS[0] * 20, max_tokens=200, temperature=0.0))
         first = [next(stream) for _ in range(3)]
@@ -191,8 +194,32 @@ def test_a_cancelled_stream_releases_its_kv_on_every_stage(cluster):
         assert all(during[a][0] < before[a][0] for a in addresses), during  # the long prompt holds blocks
         stream.close()  # the client goes away mid-generation
         rest = list(other)  # another request is unaffected
+        after = wait_all_free()
+        cached_after = client.cluster().chains[0].cached_prefix_tokens
     assert rest[-1].finish_reason == "length" and sum(len(c.token_ids) for c in rest) == 12
-    assert wait_all_free() == before
+    assert all(f == t for f, t in after.values()), after
+    # Only `other`, which ended normally, may have joined the cache (its prompt and 11 of its
+    # tokens); the cancelled request's 80-odd tokens did not.
+    assert cached_after - cached_before <= rest[-1].usage.prompt_tokens + 11
+
+
+def test_a_finished_requests_kv_serves_a_later_prompt_that_starts_the_same(cluster, hf_real, hf_greedy):
+    tok, _ = hf_real
+    base = "In a land far away, beyond the mountains of ice and the rivers of fire, a young"
+    longer = base + " painter named Ilsa"
+    with Client(cluster.address) as client:
+        a = client.generate(base, max_tokens=6, temperature=0.0)
+        before = client.cluster()
+        b = client.generate(longer, max_tokens=12, temperature=0.0)
+        after = client.cluster()
+    assert a.token_ids == hf_greedy(base, 6)
+    assert b.token_ids == hf_greedy(longer, 12)
+    a_fed = tok(base)["input_ids"] + a.token_ids[:-1]  # the last token's KV was never computed
+    b_ids = tok(longer)["input_ids"]
+    shared = next(i for i, (x, y) in enumerate(zip(a_fed + [-1], b_ids)) if x != y)
+    assert shared >= len(tok(base)["input_ids"]) - 1
+    assert after.shared_prefix_tokens - before.shared_prefix_tokens == shared
+    assert before.chains[0].cached_prefixes >= 1
 
 
 def test_a_shared_prompt_prefix_is_copied_and_changes_no_token(cluster, hf_real, hf_greedy):
@@ -204,9 +231,9 @@ def test_a_shared_prompt_prefix_is_copied_and_changes_no_token(cluster, hf_real,
     shared = next(i for i, (x, y) in enumerate(zip(a_ids + hf_greedy(base, 40), b_ids)) if x != y)
     assert shared >= len(a_ids) - 1 and shared < len(b_ids) - 1
     with Client(cluster.address) as client:
-        before = client.cluster().shared_prefix_tokens
         a = iter(client.stream(base, max_tokens=40, temperature=0.0))
-        a_tokens = list(next(a).token_ids)  # A's prompt is in the chain's KV
+        a_tokens = list(next(a).token_ids)  # A's prompt is in the chain's KV (some of it maybe copied)
+        before = client.cluster().shared_prefix_tokens
         b = client.generate(longer, max_tokens=16, temperature=0.0)
         a_tokens += [t for c in a for t in c.token_ids]
         after = client.cluster().shared_prefix_tokens
@@ -224,3 +251,7 @@ def test_cluster_status_lists_workers_and_the_chain(cluster):
     assert all(w.state == "SERVING" and w.replica == 0 for w in status.workers)
     assert len(status.chains) == 1 and len(status.chains[0].addresses) == 2
     assert [(m.num_layers, m.ready_replicas) for m in models] == [(30, 1)]
+    chain = status.chains[0]  # earlier tests' requests ended normally: the cache keeps some of them
+    assert chain.cached_prefixes >= 1
+    for w in status.workers:  # blocks of 16 tokens, each cached sequence's last one partly filled
+        assert chain.cached_prefix_tokens / 16 <= w.load.kv_blocks_cached < chain.cached_prefix_tokens / 16 + chain.cached_prefixes

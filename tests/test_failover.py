@@ -165,7 +165,7 @@ def test_sigterm_drains_a_stage_worker_under_load(real_model_dir, tmp_path):
     assert [f[0] for f in faulty] == [r[0] for r in reference]  # 100% of in-flight requests complete
 
 
-def test_stage_workers_outlive_a_coordinator_restart(real_model_dir, tmp_path):
+def test_stage_workers_outlive_a_coordinator_crash_and_free_what_it_left(real_model_dir, tmp_path):
     import signal
     import subprocess
     import sys
@@ -176,9 +176,13 @@ def test_stage_workers_outlive_a_coordinator_restart(real_model_dir, tmp_path):
     try:
         with Client(cluster.address) as client:
             before = client.generate("The sky is", max_tokens=8, temperature=0.0).token_ids
+            status = client.cluster()
+        # The ended request's KV stays on both stages, in the first coordinator's prefix cache.
+        assert status.chains[0].cached_prefixes == 1
+        assert all(w.load.kv_blocks_cached > 0 for w in status.workers)
         coordinator = dict(cluster.procs)["coordinator"]
-        coordinator.send_signal(signal.SIGTERM)
-        assert coordinator.wait(30) == 0
+        coordinator.send_signal(signal.SIGKILL)
+        assert coordinator.wait(30) == -signal.SIGKILL
         cluster.procs.remove(("coordinator", coordinator))
         log = (tmp_path / "coordinator-2.log").open("wb")
         again = subprocess.Popen(
@@ -189,9 +193,21 @@ def test_stage_workers_outlive_a_coordinator_restart(real_model_dir, tmp_path):
         status = cluster.wait_ready(timeout=60)  # the workers register again by themselves
         assert len(status.chains) == 1
         with Client(cluster.address) as client:
+            # The new coordinator never knew these workers: each freed what the old one left.
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                workers = client.cluster().workers
+                if all(w.load.kv_blocks_free == w.load.kv_blocks_total for w in workers):
+                    break
+                time.sleep(0.2)
+            assert [(w.load.kv_blocks_free, w.load.kv_blocks_cached) for w in workers] == [
+                (w.load.kv_blocks_total, 0) for w in workers
+            ]
             assert client.generate("The sky is", max_tokens=8, temperature=0.0).token_ids == before
     finally:
         cluster.stop()
+    logs = "".join(p.read_text() for p in tmp_path.glob("stage-*.log"))
+    assert logs.count("coordinator did not know this worker: freed 1 sequence(s)") == 2
 
 
 def test_a_second_kill_during_the_replay_still_loses_no_token(real_model_dir, tmp_path):

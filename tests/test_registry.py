@@ -47,7 +47,9 @@ def test_only_probed_workers_are_routable_and_a_failed_probe_removes_one():
     version = reg.version
     reg.probed(second, ready=False)
     assert [x.address for x in reg.routable()] == ["a"] and reg.version == version + 1
-    reg.register(w("b", 15, 30, instance="restarted"))  # a new process at the same address
+    assert reg.register(w("b", 15, 30, instance="restarted")) is False  # a new process at the same address
+    assert [x.address for x in reg.routable()] == ["a"]
+    assert reg.register(w("a", 0, 15)) is True  # the same process again (it missed a heartbeat)
     assert [x.address for x in reg.routable()] == ["a"]
 
 

@@ -93,3 +93,156 @@ def test_sharing_can_be_turned_off():
         await sched.stop()
 
     asyncio.run(run())
+
+
+def ending(name: str, prompt: list[int], tokens: int) -> Sequence:
+    """A sequence that ends normally after `tokens` generated tokens, as a request's generation does."""
+    s = seq(name, prompt)
+
+    def on_token(*_: object) -> None:
+        if len(s.generated) == tokens:
+            s.done = s.complete = True
+
+    s.on_token = on_token
+    return s
+
+
+async def run_to_end(sched: ChainScheduler, sender: HeldSteps, s: Sequence) -> None:
+    """Add `s`, answer its steps until it ends, and hand it back as the cluster does."""
+    sched.add(s)
+    await settle()
+    while not s.done:
+        sender.answer(len(sender.steps) - 1)
+        await settle()
+    sched.finish(s)
+    await settle()
+
+
+def test_a_finished_sequence_stays_as_a_lender_until_the_cache_needs_its_room():
+    async def run() -> None:
+        sender = HeldSteps()
+        # 16 tokens of cache in blocks of 4: two sequences of 6 computed tokens (2 blocks each)
+        sched = ChainScheduler(sender, depth=1, cache_tokens=16, block_size=4, on_step_failed=lambda *a: None,
+                               release=sender.release)
+        sched.start()
+        a = ending("a", [1, 2, 3, 4, 5], tokens=2)  # KV of its 5 prompt tokens and its first token
+        await run_to_end(sched, sender, a)
+        assert sender.released == [] and list(sched.cached) == ["a"]
+        assert (sched.cached_tokens, sched.cached_blocks(4), sched.cached_blocks(16)) == (6, 2, 1)
+        b = ending("b", [1, 2, 3, 4, 5, 7, 9, 9], tokens=1)
+        sched.add(b)
+        await settle()
+        assert [(s.start, s.prefix_from) for s in sender.steps[-1][0].slices] == [(6, a)]  # 5 + a's first token
+        sender.answer(len(sender.steps) - 1)
+        await settle()
+        sched.finish(b)
+        await settle()
+        assert list(sched.cached) == ["a", "b"] and sender.released == []  # 2 + 2 blocks: full
+        c = ending("c", [8, 8, 8, 8, 8, 8], tokens=1)
+        await run_to_end(sched, sender, c)
+        assert list(sched.cached) == ["b", "c"] and sender.released == ["a"]  # least recently used out
+        await sched.stop()
+
+    asyncio.run(run())
+
+
+def test_only_sequences_that_ended_normally_are_cached_and_a_lent_one_is_freed_after_its_copy():
+    async def run() -> None:
+        sender = HeldSteps()
+        sched = ChainScheduler(sender, depth=2, cache_tokens=8, block_size=4, on_step_failed=lambda *a: None,
+                               release=sender.release)
+        sched.start()
+        cancelled = seq("cancelled", [1, 2, 3, 4, 5, 6])
+        sched.add(cancelled)
+        await settle()
+        sender.answer(0)
+        await settle()
+        sched.finish(cancelled)  # the client went away: its decode step is in flight
+        sender.answer(1)
+        await settle()
+        assert sender.released == ["cancelled"] and not sched.cached
+        a = ending("a", [1, 2, 3, 4, 5, 6], tokens=1)
+        await run_to_end(sched, sender, a)
+        assert list(sched.cached) == ["a"]
+        b = seq("b", [1, 2, 3, 4, 5, 6, 7])
+        sched.add(b)
+        await settle()
+        copying = len(sender.steps) - 1
+        assert [(s.start, s.prefix_from) for s in sender.steps[copying][0].slices] == [(6, a)]
+        c = ending("c", [9, 9, 9, 9, 9, 9, 9], tokens=1)  # 2 more blocks, past the budget: a is lent,
+        sched.add(c)  # so c goes instead
+        await settle()
+        sender.answer(len(sender.steps) - 1)
+        await settle()
+        sched.finish(c)
+        await settle()
+        assert list(sched.cached) == ["a"] and sender.released == ["cancelled", "c"]
+        sched.drop_cache()  # as when a stage's KV is full: a leaves the cache, freed once b's copy is done
+        await settle()
+        assert not sched.cached and sender.released == ["cancelled", "c"] and a.lent == 1
+        sender.answer(copying)
+        await settle()
+        assert not sched.cached and sender.released == ["cancelled", "c", "a"]
+        await sched.stop()
+
+    asyncio.run(run())
+
+
+def test_a_full_kv_cache_on_a_stage_empties_the_prefix_cache():
+    async def run() -> None:
+        sender = HeldSteps()
+        sched = ChainScheduler(sender, depth=1, cache_tokens=64, block_size=4, on_step_failed=lambda *a: None,
+                               release=sender.release)
+        sched.start()
+        for name, first in (("a", 1), ("b", 2)):
+            await run_to_end(sched, sender, ending(name, [first] * 6, tokens=1))
+        assert list(sched.cached) == ["a", "b"]
+        errors: list[tuple[int, str]] = []
+        big = Sequence("big", [5] * 40, SamplingParams(), on_token=lambda *a: None,
+                       on_error=lambda *e: errors.append(e))
+        sched.add(big)
+        await settle()
+        step, future = sender.steps[-1]
+        future.set_result([Outcome("big", error_code=8, error_message="KV cache exhausted")])
+        await settle()
+        assert errors == [(8, "KV cache exhausted")]
+        assert not sched.cached and sorted(sender.released) == ["a", "b"]
+        await sched.stop()
+
+    asyncio.run(run())
+
+
+def test_no_cache_without_sharing_or_budget():
+    async def run() -> None:
+        for kwargs in (dict(share_prefixes=False, cache_tokens=64), dict(cache_tokens=0)):
+            sender = HeldSteps()
+            sched = ChainScheduler(sender, depth=1, block_size=4, on_step_failed=lambda *a: None,
+                                   release=sender.release, **kwargs)
+            sched.start()
+            await run_to_end(sched, sender, ending("a", [1] * 6, tokens=1))
+            assert sender.released == ["a"] and not sched.cached
+            await sched.stop()
+
+    asyncio.run(run())
+
+
+def test_live_sequences_take_the_caches_room_and_the_step_itself_frees_it():
+    async def run() -> None:
+        sender = HeldSteps()
+        # 10 blocks of 4 tokens on the smallest stage, half of them for the cache
+        sched = ChainScheduler(sender, depth=1, cache_tokens=20, block_size=4, kv_blocks=10,
+                               on_step_failed=lambda *a: None, release=sender.release)
+        sched.start()
+        for name, first in (("a", 1), ("b", 2)):
+            await run_to_end(sched, sender, ending(name, [first] * 8, tokens=1))  # 8 tokens: 2 blocks each
+        assert list(sched.cached) == ["a", "b"]
+        big = seq("big", [2] * 8 + [5] * 16)  # 25 tokens with its next one: 7 blocks, 3 left for the cache
+        sched.add(big)
+        await settle()
+        step = sender.steps[-1][0]
+        assert [(s.start, s.prefix_from) for s in step.slices] == [(8, sched.cached["b"])]
+        assert step.release == ("a",)  # b lends to this very step, so a goes, ordered before it
+        assert list(sched.cached) == ["b"] and sender.released == []
+        await sched.stop()
+
+    asyncio.run(run())

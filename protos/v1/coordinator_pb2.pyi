@@ -102,26 +102,32 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ClusterWorker(_message.Message):
-    __slots__ = ("worker", "replica", "seconds_since_heartbeat")
+    __slots__ = ("worker", "replica", "seconds_since_heartbeat", "kv_blocks_cached")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     SECONDS_SINCE_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
     worker: _common_pb2.WorkerInfo
     replica: int
     seconds_since_heartbeat: float
-    def __init__(self, worker: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., replica: _Optional[int] = ..., seconds_since_heartbeat: _Optional[float] = ...) -> None: ...
+    kv_blocks_cached: int
+    def __init__(self, worker: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., replica: _Optional[int] = ..., seconds_since_heartbeat: _Optional[float] = ..., kv_blocks_cached: _Optional[int] = ...) -> None: ...
 
 class Chain(_message.Message):
-    __slots__ = ("replica", "model_id", "addresses", "active_sequences")
+    __slots__ = ("replica", "model_id", "addresses", "active_sequences", "cached_prefixes", "cached_prefix_tokens")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PREFIXES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     replica: int
     model_id: str
     addresses: _containers.RepeatedScalarFieldContainer[str]
     active_sequences: int
-    def __init__(self, replica: _Optional[int] = ..., model_id: _Optional[str] = ..., addresses: _Optional[_Iterable[str]] = ..., active_sequences: _Optional[int] = ...) -> None: ...
+    cached_prefixes: int
+    cached_prefix_tokens: int
+    def __init__(self, replica: _Optional[int] = ..., model_id: _Optional[str] = ..., addresses: _Optional[_Iterable[str]] = ..., active_sequences: _Optional[int] = ..., cached_prefixes: _Optional[int] = ..., cached_prefix_tokens: _Optional[int] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
     __slots__ = ("workers", "chains", "active_requests", "queued_requests", "failovers", "last_failover_gap_seconds", "max_failover_gap_seconds", "shared_prefix_tokens")
@@ -150,10 +156,12 @@ class RegisterRequest(_message.Message):
     def __init__(self, worker: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("heartbeat_interval_ms",)
+    __slots__ = ("heartbeat_interval_ms", "known")
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
     heartbeat_interval_ms: int
-    def __init__(self, heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
+    known: bool
+    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., known: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker",)
