@@ -144,8 +144,11 @@ def run_bench(checkpoint: Path, *, dtype: str = "float32", new_tokens: int = 64,
     logs = Path(tempfile.gettempdir()) / f"layerline-bench-{os.getpid()}"
     layouts = {"1_stage": dict(stages=1), "2_stages": dict(stages=2), "1_stage_tp3": dict(stages=1, tp=3)}
     clusters = {
+        # Every round sends the same prompt: without the cache of finished requests' KV, each
+        # round's first token is computed, as transformers computes it (live sharing stays on).
         name: LocalCluster(ClusterPlan(model=str(checkpoint), dtype=dtype, port=port + i, kv_memory="256M",
-                                       log_dir=logs / name, **layout), checkpoint)
+                                       log_dir=logs / name, coordinator_args=("--prefix-cache", "0"), **layout),
+                           checkpoint)
         for i, (name, layout) in enumerate(layouts.items(), start=1)
     }
     try:
