@@ -10,7 +10,8 @@ A new sequence whose first tokens another already computed copies their KV at ev
 instead of computing them. Lenders are the live sequences of the chain and a cache of finished
 ones: a sequence that ended normally keeps its KV on the chain (least recently used first out)
 while the cache holds fewer tokens than its budget, a share of the chain's KV memory, so a
-second request with the same system prompt, or the next turn of a chat, starts from it.
+second request with the same system prompt, or the next turn of a chat, starts from it. A
+cached sequence whose tokens all start a newer one's (the turn before, in a chat) gives way to it.
 
 Knows nothing of text, of gRPC or of the wire: it hands `PlannedStep`s to a `StepSender` and
 gets `Outcome`s back.
@@ -172,10 +173,21 @@ class ChainScheduler:
         if seq.sequence_id in self.cached:
             self._evict()  # it may have stayed past the budget while lent
         elif seq.complete and seq.fed >= MIN_SHARED_PREFIX and self._blocks(seq) <= self._cache_blocks:
+            self._free(self._covered_by(seq))  # the last turn of a chat covers the turns before it
             self.cached[seq.sequence_id] = seq
             self._evict()
         else:
             self._free([seq])
+
+    def _covered_by(self, seq: Sequence) -> list[Sequence]:
+        """Take out the cached sequences (not lent) whose computed tokens start `seq`'s: any
+        prompt copies at least as much from `seq`."""
+        history = seq.history
+        out = [other for other in self.cached.values()
+               if not other.lent and other.fed <= seq.fed and other.history[:other.fed] == history[:other.fed]]
+        for other in out:
+            del self.cached[other.sequence_id]
+        return out
 
     @property
     def _cache_blocks(self) -> int:

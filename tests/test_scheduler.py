@@ -129,10 +129,10 @@ def test_a_finished_sequence_stays_as_a_lender_until_the_cache_needs_its_room():
         await run_to_end(sched, sender, a)
         assert sender.released == [] and list(sched.cached) == ["a"]
         assert (sched.cached_tokens, sched.cached_blocks(4), sched.cached_blocks(16)) == (6, 2, 1)
-        b = ending("b", [1, 2, 3, 4, 5, 7, 9, 9], tokens=1)
+        b = ending("b", [1, 2, 3, 4, 5, 9, 9, 9], tokens=1)  # a's prompt, then its own
         sched.add(b)
         await settle()
-        assert [(s.start, s.prefix_from) for s in sender.steps[-1][0].slices] == [(6, a)]  # 5 + a's first token
+        assert [(s.start, s.prefix_from) for s in sender.steps[-1][0].slices] == [(5, a)]
         sender.answer(len(sender.steps) - 1)
         await settle()
         sched.finish(b)
@@ -243,6 +243,31 @@ def test_live_sequences_take_the_caches_room_and_the_step_itself_frees_it():
         assert [(s.start, s.prefix_from) for s in step.slices] == [(8, sched.cached["b"])]
         assert step.release == ("a",)  # b lends to this very step, so a goes, ordered before it
         assert list(sched.cached) == ["b"] and sender.released == []
+        await sched.stop()
+
+    asyncio.run(run())
+
+
+def test_the_next_turn_of_a_chat_replaces_the_turn_before_in_the_cache():
+    async def run() -> None:
+        sender = HeldSteps()
+        sched = ChainScheduler(sender, depth=1, cache_tokens=64, block_size=4, on_step_failed=lambda *a: None,
+                               release=sender.release)
+        sched.start()
+        first = ending("first", [1, 2, 3, 4, 5], tokens=2)  # history 1 2 3 4 5 7 7; KV of 6 tokens
+        await run_to_end(sched, sender, first)
+        other = ending("other", [1, 2, 3, 4, 9, 9], tokens=1)  # shares 4 tokens only: both stay
+        await run_to_end(sched, sender, other)
+        assert list(sched.cached) == ["first", "other"]
+        second = ending("second", [1, 2, 3, 4, 5, 7, 7, 8, 8], tokens=1)  # the conversation so far, and more
+        sched.add(second)
+        await settle()
+        assert [(s.start, s.prefix_from) for s in sender.steps[-1][0].slices] == [(6, first)]
+        sender.answer(len(sender.steps) - 1)
+        await settle()
+        sched.finish(second)
+        await settle()
+        assert list(sched.cached) == ["other", "second"] and sender.released == ["first"]
         await sched.stop()
 
     asyncio.run(run())
