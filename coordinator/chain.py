@@ -61,7 +61,7 @@ class ChainClient:
     async def __call__(self, step: PlannedStep) -> list[Outcome]:
         header = stage_pb2.StepHeader(
             step_id=next(self._ids), model_id=self.model_id, route=self.addresses[1:],
-            release_sequence_ids=step.release,
+            release_sequence_ids=step.release, alone=step.alone,
         )
         for s in step.slices:
             seq = header.sequences.add(

@@ -26,7 +26,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from layerline.sampling import SamplingParams
@@ -76,6 +76,7 @@ class Slice:
 class PlannedStep:
     slices: tuple[Slice, ...]
     release: tuple[str, ...] = ()  # cached sequences each stage frees before this step's work
+    alone: bool = False  # no other step of the chain is in flight: a large one may take more cores
 
 
 @dataclass(frozen=True)
@@ -243,6 +244,8 @@ class ChainScheduler:
     async def _run(self) -> None:
         while True:
             while self.in_flight < self.depth and (step := self._plan()) is not None:
+                if self.in_flight == 0:
+                    step = replace(step, alone=True)
                 self.in_flight += 1
                 for s in step.slices:
                     s.seq.in_flight = True

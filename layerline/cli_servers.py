@@ -47,6 +47,7 @@ def _run_stage(args: argparse.Namespace) -> int:
         weight_layout=args.weight_layout,
         max_message_bytes=max_message,
         threads=args.threads,
+        prefill_threads=args.prefill_threads,
         tp=args.tp,
         tp_timeout=args.tp_timeout,
         tp_rank=args.tp_rank,
@@ -107,6 +108,11 @@ def add_stage_commands(commands: Subcommands) -> None:
                        help="gRPC message limit; larger hidden states travel in chunks (default: 64M)")
     stage.add_argument("--threads", type=int, metavar="N",
                        help="torch CPU threads per rank (default: all cores)")
+    stage.add_argument("--prefill-threads", type=int, metavar="N",
+                       help="torch CPU threads for a step of 64 tokens or more (a prompt's chunk) sent "
+                            "while no other step of its chain was in flight: the chain's other stages "
+                            "wait meanwhile, so `layerline up` gives it the cores of a whole chain "
+                            "(default: --threads)")
     stage.add_argument("--tp", type=int, default=1, metavar="T",
                        help="tensor-parallel ranks on this node, one process each; NCCL on CUDA, gloo "
                             "on CPU (default: 1)")

@@ -108,6 +108,8 @@ class LocalCluster:
         p = self.plan
         workers = len(self.ranges) * p.replicas
         threads = p.threads or max(1, (os.cpu_count() or 1) // (workers * p.tp))
+        # A chain's stages take turns on a single prompt, so its chunks get the cores of a chain.
+        prefill_threads = p.threads or max(threads, (os.cpu_count() or 1) // (p.replicas * p.tp))
         self._spawn("coordinator", ["coordinator", "--model", str(self.checkpoint), "--host", p.host,
                                     "--port", str(p.port), *p.coordinator_args, *self._telemetry_args("coordinator")],
                     {})
@@ -116,7 +118,8 @@ class LocalCluster:
                 name = f"stage-r{r}-{start}-{end}"
                 args = ["stage", "--model", str(self.checkpoint), "--layers", f"{start}:{end}",
                         "--host", p.host, "--port", str(_free_port(p.host)), "--coordinator", self.address,
-                        "--dtype", p.dtype, "--threads", str(threads), "--kv-memory", p.kv_memory,
+                        "--dtype", p.dtype, "--threads", str(threads), "--prefill-threads", str(prefill_threads),
+                        "--kv-memory", p.kv_memory,
                         *p.stage_args, *self._telemetry_args(name)]
                 if p.tp > 1:
                     args += ["--tp", str(p.tp)]

@@ -25,6 +25,7 @@ from .sampler import Draw, sample
 
 
 SMALL_STEP_TOKENS = 4  # steps of at most this many tokens run on one CPU thread
+LARGE_STEP_TOKENS = 64  # steps of this many tokens or more (prompt chunks) run on `prefill_threads`
 
 
 class StepInputError(ValueError):
@@ -69,6 +70,7 @@ class StageEngine:
         *,
         max_step_tokens: int = 8192,
         max_threads: int | None = None,
+        prefill_threads: int | None = None,
         samples: bool = True,
     ) -> None:
         self.model = model
@@ -81,6 +83,9 @@ class StageEngine:
         # On CPU a step of a few tokens is bound by memory bandwidth: one thread reads the weights
         # as fast as several, and leaves the other cores to co-located processes.
         self.max_threads = max_threads or torch.get_num_threads()
+        # A prompt's chunk is bound by arithmetic and may take more cores than decoding: on a
+        # machine shared by a chain's stages, the others mostly wait for it.
+        self.prefill_threads = prefill_threads or self.max_threads
         self._threads = torch.get_num_threads()
 
     @property
@@ -105,15 +110,24 @@ class StageEngine:
             raise out.errors[0].error
 
     @torch.inference_mode()
-    def run(self, seqs: Sequence[SequenceStep], hidden: torch.Tensor | None = None) -> StepOutput:
-        """Run one micro-batch. `hidden` is [sum of tokens, hidden_size] on later stages."""
+    def run(self, seqs: Sequence[SequenceStep], hidden: torch.Tensor | None = None, *,
+            alone: bool = True) -> StepOutput:
+        """Run one micro-batch. `hidden` is [sum of tokens, hidden_size] on later stages.
+
+        `alone`: no other step of the chain is in flight, so a large one may take `prefill_threads`.
+        """
         with self._lock:
             if self.cache.device.type == "cpu":
-                self._use_threads(sum(s.num_tokens for s in seqs))
+                self._use_threads(sum(s.num_tokens for s in seqs), alone=alone)
             return self._run(seqs, hidden)
 
-    def _use_threads(self, step_tokens: int) -> None:
-        wanted = 1 if step_tokens <= SMALL_STEP_TOKENS else self.max_threads
+    def _use_threads(self, step_tokens: int, *, alone: bool) -> None:
+        if step_tokens <= SMALL_STEP_TOKENS:
+            wanted = 1
+        elif step_tokens >= LARGE_STEP_TOKENS and alone:
+            wanted = self.prefill_threads
+        else:
+            wanted = self.max_threads
         if wanted != self._threads:
             torch.set_num_threads(wanted)
             self._threads = wanted

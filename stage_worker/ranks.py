@@ -132,12 +132,13 @@ class LeadingEngine:
         except RuntimeError as err:
             raise RankFailed(f"a rank of this stage did not answer: {err}") from None
 
-    def run(self, seqs: Sequence[SequenceStep], hidden: torch.Tensor | None = None) -> StepOutput:
+    def run(self, seqs: Sequence[SequenceStep], hidden: torch.Tensor | None = None, *,
+            alone: bool = True) -> StepOutput:
         try:
             self._op(RUN)
             _steps_out(self._wire, seqs)
             self._wire.tensor(hidden)
-            return self.engine.run(seqs, hidden)
+            return self.engine.run(seqs, hidden, alone=alone)
         except RuntimeError as err:
             raise RankFailed(f"tensor-parallel step failed: {err}") from None
 

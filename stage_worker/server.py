@@ -68,6 +68,7 @@ class StageSettings:
     max_sequences: int = 1024  # sequences in one step
     max_step_tokens: int = 8192  # tokens in one step
     threads: int | None = None  # torch CPU threads; default: all cores
+    prefill_threads: int | None = None  # threads for steps of 64 tokens or more; default: `threads`
     grace_seconds: float = 5.0  # how long SIGTERM waits for in-flight calls
     tp: int = 1  # tensor-parallel ranks of this stage, on this node
     tp_timeout: float = 10.0  # a collective waiting longer than this fails the stage (seconds)
@@ -128,7 +129,8 @@ class StageWorker:
             tp.rank, tp.size, self.layers, self.checkpoint, f"{params:,}", self.settings.dtype,
             self.settings.device, time.perf_counter() - start, shape.num_blocks, shape.block_size,
         )
-        return StageEngine(model, cache, max_step_tokens=self.settings.max_step_tokens, samples=tp.rank == 0)
+        return StageEngine(model, cache, max_step_tokens=self.settings.max_step_tokens,
+                           prefill_threads=self.settings.prefill_threads, samples=tp.rank == 0)
 
     def load(self) -> None:
         s = self.settings

@@ -287,7 +287,7 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
         with step.times.computing() if step.times is not None else nullcontext():
             for sid in step.header.release_sequence_ids:
                 self.engine.release(sid)
-            return self.engine.run(step.seqs, step.hidden)
+            return self.engine.run(step.seqs, step.hidden, alone=step.header.alone)
 
     async def _deliver(
         self, step: _Step, out: StepOutput, answer: Callable[[stage_pb2.StepResult], None]
@@ -308,6 +308,7 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
             sequences=[s for s in step.header.sequences if s.sequence_id in kept and s.sequence_id not in local],
             route=step.header.route[1:],
             release_sequence_ids=step.header.release_sequence_ids,
+            alone=step.header.alone,
         )
         if step.header.HasField("reply") and len(header.sequences) == len(step.header.sequences):
             header.reply.CopyFrom(step.header.reply)  # dropped with a sequence: see stage.proto

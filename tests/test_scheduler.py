@@ -271,3 +271,22 @@ def test_the_next_turn_of_a_chat_replaces_the_turn_before_in_the_cache():
         await sched.stop()
 
     asyncio.run(run())
+
+
+def test_only_a_step_sent_while_no_other_is_in_flight_is_marked_alone():
+    async def run() -> None:
+        sender = HeldSteps()
+        sched = ChainScheduler(sender, depth=2, on_step_failed=lambda *a: None, release=sender.release)
+        sched.start()
+        sched.add(seq("a", [1, 2, 3]))
+        await settle()
+        sched.add(seq("b", [4, 5, 6]))
+        await settle()
+        sender.answer(0)
+        await settle()
+        sender.answer(1)
+        await settle()
+        assert [step.alone for step, _ in sender.steps] == [True, False, False, False]
+        await sched.stop()
+
+    asyncio.run(run())

@@ -36,6 +36,7 @@ def _rank(path: str, rank: int, size: int, port: int, out: mp.Queue, device: str
         logits = pipe.step({"x": PROMPTS["a"]}, all_logits=True)
         tokens = LocalPipeline([stage]).greedy(PROMPTS, 16)
         out.put((rank, logits.tolist(), tokens, reader.slices))
+        dist.barrier()  # no rank tears gloo down while another is still in its last collective
     finally:
         dist.destroy_process_group()
 
