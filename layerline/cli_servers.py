@@ -67,6 +67,8 @@ def _follower_args(args: argparse.Namespace) -> tuple[str, ...]:
            "--tp-timeout", str(args.tp_timeout)]
     if args.threads:
         out += ["--threads", str(args.threads)]
+    if args.prefill_threads:
+        out += ["--prefill-threads", str(args.prefill_threads)]
     return tuple(out)
 
 

@@ -254,4 +254,5 @@ def test_cluster_status_lists_workers_and_the_chain(cluster):
     chain = status.chains[0]  # earlier tests' requests ended normally: the cache keeps some of them
     assert chain.cached_prefixes >= 1
     for w in status.workers:  # blocks of 16 tokens, each cached sequence's last one partly filled
-        assert chain.cached_prefix_tokens / 16 <= w.load.kv_blocks_cached < chain.cached_prefix_tokens / 16 + chain.cached_prefixes
+        least = chain.cached_prefix_tokens / 16
+        assert least <= w.load.kv_blocks_cached < least + chain.cached_prefixes
