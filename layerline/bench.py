@@ -1,11 +1,12 @@
 """`layerline bench`: the performance figures of DESIGN.md, measured in one run, as ratios.
 
-Owns the measurement plan. transformers' `generate` is the baseline (single stream and a batch
-of 32, same dtype, same thread count), loaded in this process; a 1-stage, a 2-stage and a
-1-stage tensor-parallel (tp 3) local cluster run beside it as real processes, measured through the client SDK. Only one thing
-computes at a time, and the measurements are interleaved in rounds (baseline, 1 stage,
-2 stages, again ...) with the median of each kept, so that the drift of a shared machine
-touches both sides of every ratio alike. transformers is needed here only, as the baseline.
+Owns the measurement plan. transformers' `generate` is the baseline (single stream, a batch of
+32 and the first token of a long prompt, same dtype, same thread count), loaded in this
+process; a 1-stage, a 2-stage and a 1-stage tensor-parallel (tp 3) local cluster run beside it
+as real processes, measured through the client SDK. Only one thing computes at a time, and the
+measurements are interleaved in rounds (baseline, 1 stage, 2 stages, again ...) with the median
+of each kept, so that the drift of a shared machine touches both sides of every ratio alike.
+transformers is needed here only, as the baseline.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from layerline.client import AsyncClient, Client
 from layerline.launcher import ClusterPlan, LocalCluster
 
 PROMPT = "Write a long story about a dragon who learns to paint. Once upon a time"
+# About 300 tokens, for the time to the first token of a long prompt (prefill, not decoding).
+LONG_PROMPT = " ".join(f"Rule {i}: answer briefly, mention the price of bread number {i} when asked, and stay polite."
+                       for i in range(14))
 BUDGETS = {  # ratio name -> the least it may be (DESIGN.md, performance budgets)
     "single_stream_1_stage_vs_transformers": 1.3,
     "single_stream_2_stages_vs_1_stage": 0.9,
@@ -40,6 +44,10 @@ class Stream:
     median_gap_ms: float  # the median time between two tokens: robust to a machine's hiccups
 
 
+class Seconds(float):
+    """A measured time (shown in ms in the round logs)."""
+
+
 @dataclass
 class BenchResult:
     model: str
@@ -49,6 +57,8 @@ class BenchResult:
     rounds: int
     single_stream: dict[str, Stream] = field(default_factory=dict)  # medians: "transformers", ...
     aggregate_tokens_per_s: dict[str, float] = field(default_factory=dict)  # medians
+    long_prompt_ttft_s: dict[str, float] = field(default_factory=dict)  # medians; LONG_PROMPT, one at a time
+    long_prompt_tokens: int = 0
     weights_bytes_per_rank: dict[str, int] = field(default_factory=dict)  # largest rank of each cluster
     ratios: dict[str, float] = field(default_factory=dict)
     within_budget: dict[str, bool] = field(default_factory=dict)
@@ -73,6 +83,7 @@ class Baseline:
         self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype)).eval()
         self.model.generation_config.eos_token_id = None  # exactly the tokens asked for
         self.ids = torch.tensor([tok(PROMPT)["input_ids"]])
+        self.long_ids = torch.tensor([tok(LONG_PROMPT)["input_ids"]])
         self._generate(self.ids, 4)  # warm up
 
     def _generate(self, ids, n: int) -> float:  # type: ignore[no-untyped-def]
@@ -89,6 +100,16 @@ class Baseline:
 
     def batch(self, size: int, n: int) -> float:
         return size * n / self._generate(self.ids.repeat(size, 1), n)
+
+    def long_ttft(self) -> Seconds:
+        return Seconds(self._generate(self.long_ids, 1))
+
+
+def cluster_long_ttft(address: str) -> Seconds:
+    with Client(address) as client:
+        start = time.perf_counter()
+        client.generate(LONG_PROMPT, max_tokens=1, temperature=0.0)
+        return Seconds(time.perf_counter() - start)
 
 
 def cluster_single(address: str, n: int) -> Stream:
@@ -132,6 +153,8 @@ def _rounds(rounds: int, runs: dict[str, Callable[[], object]]) -> dict[str, lis
 def _show(value: object) -> str:
     if isinstance(value, Stream):
         return f"{value.decode_tokens_per_s:.1f} tok/s (ttft {value.ttft_s * 1000:.0f} ms)"
+    if isinstance(value, Seconds):
+        return f"{value * 1000:.0f} ms"
     return f"{value:.1f} tok/s"
 
 
@@ -169,6 +192,14 @@ def run_bench(checkpoint: Path, *, dtype: str = "float32", new_tokens: int = 64,
             "1_stage_tp3": lambda: cluster_single(tp3, new_tokens),
         })
         result.single_stream = {k: _median_stream(v) for k, v in singles.items()}
+        _log("long prompts ...")
+        longs = _rounds(rounds, {
+            "transformers": baseline.long_ttft,
+            "1_stage": lambda: cluster_long_ttft(one),
+            "2_stages": lambda: cluster_long_ttft(two),
+        })
+        result.long_prompt_ttft_s = {k: statistics.median(v) for k, v in longs.items()}
+        result.long_prompt_tokens = int(baseline.long_ids.shape[1])
         _log("concurrent streams ...")
         aggregates = _rounds(rounds, {
             "transformers_batch_32": lambda: baseline.batch(32, new_tokens),
@@ -195,6 +226,11 @@ def run_bench(checkpoint: Path, *, dtype: str = "float32", new_tokens: int = 64,
             result.single_stream["2_stages"].median_gap_ms - result.single_stream["1_stage"].median_gap_ms
         ),
         "single_stream_tp3_vs_tp1": s["1_stage_tp3"] / s["1_stage"],
+        # transformers' time to the first token of the long prompt over ours: above 1, ours is sooner
+        "long_prompt_ttft_1_stage_vs_transformers": result.long_prompt_ttft_s["transformers"]
+        / result.long_prompt_ttft_s["1_stage"],
+        "long_prompt_ttft_2_stages_vs_transformers": result.long_prompt_ttft_s["transformers"]
+        / result.long_prompt_ttft_s["2_stages"],
     }
     result.within_budget = {k: result.ratios[k] >= least for k, least in BUDGETS.items()}
     result.within_budget["added_ms_per_extra_hop_per_token"] = (
