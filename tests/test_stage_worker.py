@@ -105,6 +105,27 @@ def test_two_stage_chain_matches_greedy_oracle_with_mixed_batches(chain, oracle)
         assert info.kv_blocks_free == info.kv_blocks_total
 
 
+def test_releases_ride_a_step_down_the_whole_route_before_its_work(chain, oracle):
+    """The coordinator's evictions from its prefix cache travel in the next step's header."""
+    first, last = chain
+    free = [stage.info().kv_blocks_free for stage in chain]
+    stream = StepStream(first.channel)
+    try:
+        kept = stream.step([seq_input("kept", range(len(PROMPTS["s2"])), PROMPTS["s2"])], route=[last.address])
+        held = [stage.info().kv_blocks_free for stage in chain]
+        assert all(h < f for h, f in zip(held, free))
+        # A new sequence, with "kept" freed on each stage just before it: the blocks are reused.
+        new = stream.step([seq_input("new", range(len(PROMPTS["s2"])), PROMPTS["s2"])], route=[last.address],
+                          release=["kept"])
+    finally:
+        stream.close()
+    assert kept.sequences[0].sampled_token_id == new.sequences[0].sampled_token_id == oracle["s2"][0]
+    assert [stage.info().kv_blocks_free for stage in chain] == held  # "new" holds what "kept" held
+    release = stage_pb2.ReleaseRequest(sequence_ids=["kept", "new"])
+    assert [stage_pb2_grpc.StageWorkerStub(s.channel).Release(release).released for s in chain] == [1, 1]
+    assert [stage.info().kv_blocks_free for stage in chain] == free
+
+
 def test_hidden_states_larger_than_a_message_arrive_in_chunks(chain, ckpt, oracle):
     """Send the last stage a prefill's hidden states directly, cut into many small chunks."""
     _, last = chain
