@@ -77,7 +77,7 @@ class Cluster:
         self.tracer = tracer  # the chains' step spans; None when tracing is off
         self.failover = failover
         self.failovers = 0  # sequences moved off a failed chain, since start
-        self.shared_prefix_tokens = 0  # prompt tokens copied from a live sequence's KV, since start
+        self.shared_prefix_tokens = 0  # prompt tokens copied from a live or cached sequence's KV, since start
         self.last_failover_gap = 0.0  # seconds from a failure to the moved sequence's next token
         self.max_failover_gap = 0.0
         self.max_message_bytes = max_message_bytes

@@ -150,7 +150,7 @@ class ChainScheduler:
 
     def cached_blocks(self, block_size: int) -> int:
         """KV blocks of `block_size` tokens the cache holds on one stage."""
-        return sum(-(-s.fed // block_size) for s in self.cached.values())
+        return sum(_blocks(s.fed, block_size) for s in self.cached.values())
 
     def add(self, seq: Sequence) -> None:
         self.sequences[seq.sequence_id] = seq
@@ -195,7 +195,7 @@ class ChainScheduler:
         return self.cache_tokens // self.block_size
 
     def _blocks(self, seq: Sequence) -> int:
-        return -(-seq.fed // self.block_size)
+        return _blocks(seq.fed, self.block_size)
 
     def _evict(self) -> None:
         """Free the least recently used cached sequences (not lent) until the cache fits its budget."""
@@ -219,7 +219,7 @@ class ChainScheduler:
         """Blocks the cache may hold beside what the live sequences need for their next tokens."""
         if self.kv_blocks is None:
             return self._cache_blocks
-        live = sum(-(-(len(s.history) + 1) // self.block_size) for s in self.sequences.values())
+        live = sum(_blocks(len(s.history) + 1, self.block_size) for s in self.sequences.values())
         return max(0, min(self._cache_blocks, self.kv_blocks - live))
 
     def drop_cache(self) -> None:
@@ -357,6 +357,11 @@ class ChainScheduler:
                 self.on_failover_gap(time.monotonic() - seq.failed_at)
                 seq.failed_at = None
             seq.on_token(outcome.token_id, outcome.logprob, list(outcome.top))
+
+
+def _blocks(tokens: int, block_size: int) -> int:
+    """KV blocks that `tokens` positions take: the last one may be partly filled."""
+    return -(-tokens // block_size)
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:

@@ -37,11 +37,18 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
+def started(sender: HeldSteps, **kwargs: object) -> ChainScheduler:
+    """A running scheduler that sends to `sender` and releases through it."""
+    sched = ChainScheduler(sender, on_step_failed=lambda *a: None, release=sender.release,
+                           **kwargs)  # type: ignore[arg-type]
+    sched.start()
+    return sched
+
+
 def test_a_new_prompt_copies_the_longest_computed_prefix_and_its_lender_waits_for_it():
     async def run() -> None:
         sender = HeldSteps()
-        sched = ChainScheduler(sender, depth=8, on_step_failed=lambda *a: None, release=sender.release)
-        sched.start()
+        sched = started(sender, depth=8)
         a = seq("a", [1, 2, 3, 4, 5, 6, 7, 8])
         sched.add(a)
         await settle()
@@ -79,9 +86,7 @@ def test_a_new_prompt_copies_the_longest_computed_prefix_and_its_lender_waits_fo
 def test_sharing_can_be_turned_off():
     async def run() -> None:
         sender = HeldSteps()
-        sched = ChainScheduler(sender, depth=2, share_prefixes=False, on_step_failed=lambda *a: None,
-                               release=sender.release)
-        sched.start()
+        sched = started(sender, depth=2, share_prefixes=False)
         sched.add(seq("a", [1, 2, 3, 4, 5, 6]))
         await settle()
         sender.answer(0)
@@ -112,7 +117,7 @@ async def run_to_end(sched: ChainScheduler, sender: HeldSteps, s: Sequence) -> N
     sched.add(s)
     await settle()
     while not s.done:
-        sender.answer(len(sender.steps) - 1)
+        sender.answer(-1)
         await settle()
     sched.finish(s)
     await settle()
@@ -122,9 +127,7 @@ def test_a_finished_sequence_stays_as_a_lender_until_the_cache_needs_its_room():
     async def run() -> None:
         sender = HeldSteps()
         # 16 tokens of cache in blocks of 4: two sequences of 6 computed tokens (2 blocks each)
-        sched = ChainScheduler(sender, depth=1, cache_tokens=16, block_size=4, on_step_failed=lambda *a: None,
-                               release=sender.release)
-        sched.start()
+        sched = started(sender, depth=1, cache_tokens=16, block_size=4)
         a = ending("a", [1, 2, 3, 4, 5], tokens=2)  # KV of its 5 prompt tokens and its first token
         await run_to_end(sched, sender, a)
         assert sender.released == [] and list(sched.cached) == ["a"]
@@ -133,7 +136,7 @@ def test_a_finished_sequence_stays_as_a_lender_until_the_cache_needs_its_room():
         sched.add(b)
         await settle()
         assert [(s.start, s.prefix_from) for s in sender.steps[-1][0].slices] == [(5, a)]
-        sender.answer(len(sender.steps) - 1)
+        sender.answer(-1)
         await settle()
         sched.finish(b)
         await settle()
@@ -149,9 +152,7 @@ def test_a_finished_sequence_stays_as_a_lender_until_the_cache_needs_its_room():
 def test_only_sequences_that_ended_normally_are_cached_and_a_lent_one_is_freed_after_its_copy():
     async def run() -> None:
         sender = HeldSteps()
-        sched = ChainScheduler(sender, depth=2, cache_tokens=8, block_size=4, on_step_failed=lambda *a: None,
-                               release=sender.release)
-        sched.start()
+        sched = started(sender, depth=2, cache_tokens=8, block_size=4)
         cancelled = seq("cancelled", [1, 2, 3, 4, 5, 6])
         sched.add(cancelled)
         await settle()
@@ -172,7 +173,7 @@ def test_only_sequences_that_ended_normally_are_cached_and_a_lent_one_is_freed_a
         c = ending("c", [9, 9, 9, 9, 9, 9, 9], tokens=1)  # 2 more blocks, past the budget: a is lent,
         sched.add(c)  # so c goes instead
         await settle()
-        sender.answer(len(sender.steps) - 1)
+        sender.answer(-1)
         await settle()
         sched.finish(c)
         await settle()
@@ -191,9 +192,7 @@ def test_only_sequences_that_ended_normally_are_cached_and_a_lent_one_is_freed_a
 def test_a_full_kv_cache_on_a_stage_empties_the_prefix_cache():
     async def run() -> None:
         sender = HeldSteps()
-        sched = ChainScheduler(sender, depth=1, cache_tokens=64, block_size=4, on_step_failed=lambda *a: None,
-                               release=sender.release)
-        sched.start()
+        sched = started(sender, depth=1, cache_tokens=64, block_size=4)
         for name, first in (("a", 1), ("b", 2)):
             await run_to_end(sched, sender, ending(name, [first] * 6, tokens=1))
         assert list(sched.cached) == ["a", "b"]
@@ -216,9 +215,7 @@ def test_no_cache_without_sharing_or_budget():
     async def run() -> None:
         for kwargs in (dict(share_prefixes=False, cache_tokens=64), dict(cache_tokens=0)):
             sender = HeldSteps()
-            sched = ChainScheduler(sender, depth=1, block_size=4, on_step_failed=lambda *a: None,
-                                   release=sender.release, **kwargs)
-            sched.start()
+            sched = started(sender, depth=1, block_size=4, **kwargs)
             await run_to_end(sched, sender, ending("a", [1] * 6, tokens=1))
             assert sender.released == ["a"] and not sched.cached
             await sched.stop()
@@ -230,9 +227,7 @@ def test_live_sequences_take_the_caches_room_and_the_step_itself_frees_it():
     async def run() -> None:
         sender = HeldSteps()
         # 10 blocks of 4 tokens on the smallest stage, half of them for the cache
-        sched = ChainScheduler(sender, depth=1, cache_tokens=20, block_size=4, kv_blocks=10,
-                               on_step_failed=lambda *a: None, release=sender.release)
-        sched.start()
+        sched = started(sender, depth=1, cache_tokens=20, block_size=4, kv_blocks=10)
         for name, first in (("a", 1), ("b", 2)):
             await run_to_end(sched, sender, ending(name, [first] * 8, tokens=1))  # 8 tokens: 2 blocks each
         assert list(sched.cached) == ["a", "b"]
@@ -251,9 +246,7 @@ def test_live_sequences_take_the_caches_room_and_the_step_itself_frees_it():
 def test_the_next_turn_of_a_chat_replaces_the_turn_before_in_the_cache():
     async def run() -> None:
         sender = HeldSteps()
-        sched = ChainScheduler(sender, depth=1, cache_tokens=64, block_size=4, on_step_failed=lambda *a: None,
-                               release=sender.release)
-        sched.start()
+        sched = started(sender, depth=1, cache_tokens=64, block_size=4)
         first = ending("first", [1, 2, 3, 4, 5], tokens=2)  # history 1 2 3 4 5 7 7; KV of 6 tokens
         await run_to_end(sched, sender, first)
         other = ending("other", [1, 2, 3, 4, 9, 9], tokens=1)  # shares 4 tokens only: both stay
@@ -263,7 +256,7 @@ def test_the_next_turn_of_a_chat_replaces_the_turn_before_in_the_cache():
         sched.add(second)
         await settle()
         assert [(s.start, s.prefix_from) for s in sender.steps[-1][0].slices] == [(6, first)]
-        sender.answer(len(sender.steps) - 1)
+        sender.answer(-1)
         await settle()
         sched.finish(second)
         await settle()
@@ -276,8 +269,7 @@ def test_the_next_turn_of_a_chat_replaces_the_turn_before_in_the_cache():
 def test_only_a_step_sent_while_no_other_is_in_flight_is_marked_alone():
     async def run() -> None:
         sender = HeldSteps()
-        sched = ChainScheduler(sender, depth=2, on_step_failed=lambda *a: None, release=sender.release)
-        sched.start()
+        sched = started(sender, depth=2)
         sched.add(seq("a", [1, 2, 3]))
         await settle()
         sched.add(seq("b", [4, 5, 6]))
