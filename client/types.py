@@ -57,6 +57,8 @@ class WorkerLoad:
     kv_blocks_free: int
     kv_blocks_total: int
     kv_blocks_cached: int = 0  # held for the chain's cache of finished sequences (the coordinator's count)
+    steps_computed: int = 0  # steps its layers ran since it started (as of its last heartbeat)
+    compute_seconds: float = 0.0  # their compute time in total (not receiving or sending them)
 
 
 @dataclass(frozen=True)

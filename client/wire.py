@@ -169,7 +169,7 @@ def cluster_from(response: coordinator_pb2.ClusterStatusResponse) -> ClusterStat
                 dtype=_enum_name(tensor_pb2.DType, w.dtype).lower(),
                 device=w.device,
                 load=WorkerLoad(w.in_flight_steps, w.active_sequences, w.kv_blocks_free, w.kv_blocks_total,
-                                entry.kv_blocks_cached),
+                                entry.kv_blocks_cached, w.steps_computed, w.compute_seconds),
                 seconds_since_heartbeat=entry.seconds_since_heartbeat,
                 weights_bytes=w.weights_bytes,
             )

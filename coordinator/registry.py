@@ -35,6 +35,8 @@ class Worker:
     active_sequences: int = 0
     state: str = "SERVING"
     weights_bytes: int = 0  # weights one rank holds
+    steps_computed: int = 0  # since it started, and their compute time (as of its last heartbeat)
+    compute_seconds: float = 0.0
 
 
 @dataclass

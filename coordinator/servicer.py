@@ -280,6 +280,7 @@ def _worker(info: common_pb2.WorkerInfo) -> Worker:
         kv_blocks_total=info.kv_blocks_total, kv_blocks_free=info.kv_blocks_free, kv_block_size=info.kv_block_size,
         in_flight_steps=info.in_flight_steps, active_sequences=info.active_sequences,
         weights_bytes=info.weights_bytes, state=common_pb2.WorkerState.Name(info.state).removeprefix("WORKER_STATE_"),
+        steps_computed=info.steps_computed, compute_seconds=info.compute_seconds,
     )
 
 
@@ -292,6 +293,7 @@ def _worker_info(w: Worker) -> common_pb2.WorkerInfo:
         tp_size=w.tp_size, kv_blocks_total=w.kv_blocks_total, kv_blocks_free=w.kv_blocks_free,
         kv_block_size=w.kv_block_size,
         in_flight_steps=w.in_flight_steps, active_sequences=w.active_sequences, weights_bytes=w.weights_bytes,
+        steps_computed=w.steps_computed, compute_seconds=w.compute_seconds,
         state=common_pb2.WorkerState.Value(state) if state in common_pb2.WorkerState.keys()
         else common_pb2.WORKER_STATE_NOT_SERVING,
     )

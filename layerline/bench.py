@@ -19,11 +19,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+
+import grpc
 
 from layerline.client import AsyncClient, Client
 from layerline.launcher import ClusterPlan, LocalCluster
+from layerline.protos.v1 import stage_pb2, stage_pb2_grpc
 
 PROMPT = "Write a long story about a dragon who learns to paint. Once upon a time"
 # About 300 tokens, for the time to the first token of a long prompt (prefill, not decoding).
@@ -42,6 +45,10 @@ class Stream:
     ttft_s: float  # time to first token
     decode_tokens_per_s: float  # tokens after the first, per second after the first arrived
     median_gap_ms: float  # the median time between two tokens: robust to a machine's hiccups
+    # Of a cluster's mean time between two tokens: the compute of its stages (as each stage counts
+    # it, summed over the chain), and the rest (scheduling, messages between processes).
+    compute_ms: float = 0.0
+    other_ms: float = 0.0
 
 
 class Seconds(float):
@@ -112,15 +119,43 @@ def cluster_long_ttft(address: str) -> Seconds:
         return Seconds(time.perf_counter() - start)
 
 
+class StageClocks:
+    """Asks each stage of a cluster how many steps it computed so far, and for how long."""
+
+    def __init__(self, client: Client) -> None:
+        self._channels = [grpc.insecure_channel(w.address) for w in client.cluster().workers]
+        self._stubs = [stage_pb2_grpc.StageWorkerStub(c) for c in self._channels]
+        self.read()  # connected before anything is timed
+
+    def read(self) -> list[tuple[int, float]]:
+        infos = (stub.Info(stage_pb2.InfoRequest(), timeout=10).worker for stub in self._stubs)
+        return [(w.steps_computed, w.compute_seconds) for w in infos]
+
+    def close(self) -> None:
+        for channel in self._channels:
+            channel.close()
+
+
 def cluster_single(address: str, n: int) -> Stream:
     with Client(address) as client:
-        start = time.perf_counter()
-        arrivals: list[float] = []
-        for chunk in client.stream(PROMPT, max_tokens=n, temperature=0.0):
-            arrivals += [time.perf_counter()] * len(chunk.token_ids)
+        clocks = StageClocks(client)
+        try:
+            start = time.perf_counter()
+            arrivals: list[float] = []
+            before: list[tuple[int, float]] = []
+            for chunk in client.stream(PROMPT, max_tokens=n, temperature=0.0):
+                arrivals += [time.perf_counter()] * len(chunk.token_ids)
+                before = before or clocks.read()  # after the prompt's step: decode steps only from here
+            after = clocks.read()
+        finally:
+            clocks.close()
     first, last = arrivals[0], arrivals[-1]
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:]) if b > a]  # tokens of one message: one gap
-    return Stream(first - start, (len(arrivals) - 1) / max(last - first, 1e-9), 1000 * statistics.median(gaps))
+    mean_gap = (last - first) / max(len(arrivals) - 1, 1)
+    # A step advances this one sequence by a token: per stage, its mean compute per step.
+    compute = sum((s1 - s0) / (n1 - n0) for (n0, s0), (n1, s1) in zip(before, after) if n1 > n0)
+    return Stream(first - start, 1 / max(mean_gap, 1e-9), 1000 * statistics.median(gaps),
+                  1000 * compute, 1000 * (mean_gap - compute))
 
 
 def cluster_aggregate(address: str, streams: int, n: int) -> float:
@@ -136,9 +171,7 @@ def cluster_aggregate(address: str, streams: int, n: int) -> float:
 
 
 def _median_stream(samples: list[Stream]) -> Stream:
-    return Stream(statistics.median(s.ttft_s for s in samples),
-                  statistics.median(s.decode_tokens_per_s for s in samples),
-                  statistics.median(s.median_gap_ms for s in samples))
+    return Stream(*(statistics.median(getattr(s, f.name) for s in samples) for f in fields(Stream)))
 
 
 def _rounds(rounds: int, runs: dict[str, Callable[[], object]]) -> dict[str, list]:  # type: ignore[type-arg]
@@ -152,7 +185,8 @@ def _rounds(rounds: int, runs: dict[str, Callable[[], object]]) -> dict[str, lis
 
 def _show(value: object) -> str:
     if isinstance(value, Stream):
-        return f"{value.decode_tokens_per_s:.1f} tok/s (ttft {value.ttft_s * 1000:.0f} ms)"
+        parts = f"; a token: compute {value.compute_ms:.1f} + other {value.other_ms:.1f} ms" if value.compute_ms else ""
+        return f"{value.decode_tokens_per_s:.1f} tok/s (ttft {value.ttft_s * 1000:.0f} ms{parts})"
     if isinstance(value, Seconds):
         return f"{value * 1000:.0f} ms"
     return f"{value:.1f} tok/s"
@@ -224,6 +258,14 @@ def run_bench(checkpoint: Path, *, dtype: str = "float32", new_tokens: int = 64,
         # The median gap between tokens, 2 stages minus 1: one more hop, the same layers.
         "added_ms_per_extra_hop_per_token": (
             result.single_stream["2_stages"].median_gap_ms - result.single_stream["1_stage"].median_gap_ms
+        ),
+        # Its two parts (of the mean gaps): the two stages' compute over the one stage's, and the
+        # rest over the rest (the hop's messages: encoding, the write, the wake-up, decoding).
+        "added_ms_per_extra_hop_per_token_compute": (
+            result.single_stream["2_stages"].compute_ms - result.single_stream["1_stage"].compute_ms
+        ),
+        "added_ms_per_extra_hop_per_token_messages": (
+            result.single_stream["2_stages"].other_ms - result.single_stream["1_stage"].other_ms
         ),
         "single_stream_tp3_vs_tp1": s["1_stage_tp3"] / s["1_stage"],
         # transformers' time to the first token of the long prompt over ours: above 1, ours is sooner

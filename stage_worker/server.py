@@ -168,6 +168,8 @@ class StageWorker:
             in_flight_steps=self.servicer.in_flight if self.servicer else 0,
             active_sequences=len(engine.cache.sequences()) if engine else 0,
             state=self.state,
+            steps_computed=self.servicer.steps_computed if self.servicer else 0,
+            compute_seconds=self.servicer.compute_seconds if self.servicer else 0.0,
         )
 
     async def serve(self, *, stop: asyncio.Event | None = None) -> None:

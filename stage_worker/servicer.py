@@ -95,6 +95,8 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
         self.compute = ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
         self.queued = 0  # calls submitted to the compute thread and not yet finished
         self.in_flight = 0
+        self.steps_computed = 0  # since the start, and their compute time: see WorkerInfo
+        self.compute_seconds = 0.0
         # A step of a few tokens runs on the event loop itself when it is the only step here
         # and the compute thread is idle: two thread handoffs cost more than such a step, and
         # with no other step in flight the loop has no answer to relay meanwhile. Tensor-
@@ -287,7 +289,11 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
         with step.times.computing() if step.times is not None else nullcontext():
             for sid in step.header.release_sequence_ids:
                 self.engine.release(sid)
-            return self.engine.run(step.seqs, step.hidden, alone=step.header.alone)
+            started = time.perf_counter()
+            out = self.engine.run(step.seqs, step.hidden, alone=step.header.alone)
+            self.compute_seconds += time.perf_counter() - started
+            self.steps_computed += 1
+            return out
 
     async def _deliver(
         self, step: _Step, out: StepOutput, answer: Callable[[stage_pb2.StepResult], None]

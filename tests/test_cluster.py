@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -256,3 +257,18 @@ def test_cluster_status_lists_workers_and_the_chain(cluster):
     for w in status.workers:  # blocks of 16 tokens, each cached sequence's last one partly filled
         least = chain.cached_prefix_tokens / 16
         assert least <= w.load.kv_blocks_cached < least + chain.cached_prefixes
+
+
+def test_cluster_status_counts_the_steps_each_worker_computed(cluster):
+    with Client(cluster.address) as client:
+        client.generate("Count the steps.", max_tokens=4, temperature=0.0)
+        deadline = time.monotonic() + 10
+        while True:  # the counts come with each worker's heartbeat, once a second
+            loads = [w.load for w in client.cluster().workers]
+            counts = {load.steps_computed for load in loads}
+            if len(counts) == 1 and min(counts) >= 4 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    # Every step of the chain ran on both of its stages: a prompt's and three decodes at least.
+    assert len(counts) == 1 and min(counts) >= 4, [(load.steps_computed, load.compute_seconds) for load in loads]
+    assert all(load.compute_seconds > 0 for load in loads)

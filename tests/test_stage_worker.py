@@ -70,9 +70,11 @@ def test_info_describes_each_stage(chain):
 def test_two_stage_chain_matches_greedy_oracle_with_mixed_batches(chain, oracle):
     """4 prompts of different lengths: chunked prefills mixed with decodes, one stream."""
     first, last = chain
+    before = [stage.info() for stage in chain]
     stream = StepStream(first.channel)
     got = {s: [] for s in PROMPTS}
     fed = {s: 0 for s in PROMPTS}  # prompt tokens sent so far
+    steps = 0
     try:
         for _ in range(40):
             seqs = []
@@ -90,6 +92,7 @@ def test_two_stage_chain_matches_greedy_oracle_with_mixed_batches(chain, oracle)
             if not seqs:
                 break
             result = stream.step(seqs, route=[last.address])
+            steps += 1
             assert not result.error.code, result.error.message
             for r in result.sequences:
                 assert not r.error.code, r.error.message
@@ -98,6 +101,10 @@ def test_two_stage_chain_matches_greedy_oracle_with_mixed_batches(chain, oracle)
     finally:
         stream.close()
     assert got == oracle
+    # Each stage counted every step of the chain as computed once, and the time it took.
+    after = [stage.info() for stage in chain]
+    assert [a.steps_computed - b.steps_computed for a, b in zip(after, before)] == [steps, steps]
+    assert all(a.compute_seconds > b.compute_seconds for a, b in zip(after, before))
     release = stage_pb2.ReleaseRequest(sequence_ids=list(PROMPTS))
     for stage in chain:
         assert stage_pb2_grpc.StageWorkerStub(stage.channel).Release(release).released == 4
