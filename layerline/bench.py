@@ -6,7 +6,9 @@ process; a 1-stage, a 2-stage and a 1-stage tensor-parallel (tp 3) local cluster
 as real processes, measured through the client SDK. Only one thing computes at a time, and the
 measurements are interleaved in rounds (baseline, 1 stage, 2 stages, again ...) with the median
 of each kept, so that the drift of a shared machine touches both sides of every ratio alike.
-transformers is needed here only, as the baseline.
+A single stream's time between tokens is also split into its chain's compute, as the stages count
+it (asked of each stage after the first token and after the last), and the rest: what a hop adds
+in messages and what it adds in slower compute. transformers is needed here only, as the baseline.
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ def cluster_long_ttft(address: str) -> Seconds:
 
 
 class StageClocks:
-    """Asks each stage of a cluster how many steps it computed so far, and for how long."""
+    """Asks each stage of a one-chain cluster how many steps it computed so far, and for how long."""
 
     def __init__(self, client: Client) -> None:
         self._channels = [grpc.insecure_channel(w.address) for w in client.cluster().workers]
