@@ -204,7 +204,7 @@ class ChainScheduler:
     def _evicted(self, limit: int, *, keep: Collection[str] = ()) -> list[Sequence]:
         """Take cached sequences out, least recently used first, until they hold at most `limit`
         blocks; lent ones and those in `keep` stay."""
-        over = sum(self._blocks(s) for s in self.cached.values()) - limit
+        over = self.cached_blocks(self.block_size) - limit
         out: list[Sequence] = []
         for seq in list(self.cached.values()):
             if over <= 0:

@@ -171,12 +171,7 @@ def test_only_sequences_that_ended_normally_are_cached_and_a_lent_one_is_freed_a
         copying = len(sender.steps) - 1
         assert [(s.start, s.prefix_from) for s in sender.steps[copying][0].slices] == [(6, a)]
         c = ending("c", [9, 9, 9, 9, 9, 9, 9], tokens=1)  # 2 more blocks, past the budget: a is lent,
-        sched.add(c)  # so c goes instead
-        await settle()
-        sender.answer(-1)
-        await settle()
-        sched.finish(c)
-        await settle()
+        await run_to_end(sched, sender, c)  # so c goes instead
         assert list(sched.cached) == ["a"] and sender.released == ["cancelled", "c"]
         sched.drop_cache()  # as when a stage's KV is full: a leaves the cache, freed once b's copy is done
         await settle()
