@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import time
 
+import grpc
 import pytest
 
 from layerline.client import AsyncClient, Client
 from layerline.launcher import ClusterPlan, LocalCluster, head_weight, split_layers
+from layerline.protos.v1 import stage_pb2, stage_pb2_grpc
 
 from .stage_client import free_port
 
@@ -260,15 +262,27 @@ def test_cluster_status_lists_workers_and_the_chain(cluster):
 
 
 def test_cluster_status_counts_the_steps_each_worker_computed(cluster):
+    def counts(addresses: list[str]) -> list[tuple[int, float]]:  # asked of each stage itself: fresh
+        out = []
+        for address in addresses:
+            with grpc.insecure_channel(address) as channel:
+                w = stage_pb2_grpc.StageWorkerStub(channel).Info(stage_pb2.InfoRequest(), timeout=10).worker
+            out.append((w.steps_computed, w.compute_seconds))
+        return out
+
     with Client(cluster.address) as client:
+        addresses = client.cluster().chains[0].addresses
+        before = counts(addresses)
         client.generate("Count the steps.", max_tokens=4, temperature=0.0)
+        after = counts(addresses)
         deadline = time.monotonic() + 10
-        while True:  # the counts come with each worker's heartbeat, once a second
-            loads = [w.load for w in client.cluster().workers]
-            counts = {load.steps_computed for load in loads}
-            if len(counts) == 1 and min(counts) >= 4 or time.monotonic() > deadline:
+        while True:  # the coordinator has the counts from each worker's heartbeat, once a second
+            by_address = {w.address: w.load for w in client.cluster().workers}
+            reported = [(by_address[a].steps_computed, by_address[a].compute_seconds) for a in addresses]
+            if reported == after or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-    # Every step of the chain ran on both of its stages: a prompt's and three decodes at least.
-    assert len(counts) == 1 and min(counts) >= 4, [(load.steps_computed, load.compute_seconds) for load in loads]
-    assert all(load.compute_seconds > 0 for load in loads)
+    # Both stages ran each of the request's steps: its prompt's and three decodes.
+    assert [a[0] - b[0] for a, b in zip(after, before)] == [4, 4]
+    assert all(a[1] > b[1] for a, b in zip(after, before))
+    assert reported == after
