@@ -8,7 +8,9 @@ measurements are interleaved in rounds (baseline, 1 stage, 2 stages, again ...) 
 of each kept, so that the drift of a shared machine touches both sides of every ratio alike.
 A single stream's time between tokens is also split into its chain's compute, as the stages count
 it (asked of each stage after the first token and after the last), and the rest: what a hop adds
-in messages and what it adds in slower compute. transformers is needed here only, as the baseline.
+in messages and what it adds in slower compute. Last, `hop_floor` measures the same extra hop
+through a bare gRPC relay of the model's matmuls (see hop_floor.py): what this machine charges
+for a hop before any of layerline's own work. transformers is needed here only, as the baseline.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 import grpc
 
 from layerline.client import AsyncClient, Client
+from layerline.hop_floor import measure_hop_floor
 from layerline.launcher import ClusterPlan, LocalCluster
 from layerline.protos.v1 import stage_pb2, stage_pb2_grpc
 
@@ -69,6 +72,7 @@ class BenchResult:
     long_prompt_ttft_s: dict[str, float] = field(default_factory=dict)  # medians; LONG_PROMPT, one at a time
     long_prompt_tokens: int = 0
     weights_bytes_per_rank: dict[str, int] = field(default_factory=dict)  # largest rank of each cluster
+    hop_floor: dict[str, object] = field(default_factory=dict)  # the bare relay's figures (HopFloor)
     ratios: dict[str, float] = field(default_factory=dict)
     within_budget: dict[str, bool] = field(default_factory=dict)
 
@@ -250,6 +254,9 @@ def run_bench(checkpoint: Path, *, dtype: str = "float32", new_tokens: int = 64,
     finally:
         for cluster in clusters.values():
             cluster.stop()
+    _log("the hop's floor: a bare gRPC relay of the model's matmuls (float32) ...")
+    config = json.loads((checkpoint / "config.json").read_text())
+    result.hop_floor = asdict(measure_hop_floor(config, rounds=rounds, tokens=new_tokens, port=port + 10, log=_log))
     s = {k: v.decode_tokens_per_s for k, v in result.single_stream.items()}
     a = result.aggregate_tokens_per_s
     result.ratios = {
@@ -269,6 +276,8 @@ def run_bench(checkpoint: Path, *, dtype: str = "float32", new_tokens: int = 64,
         "added_ms_per_extra_hop_per_token_messages": (
             result.single_stream["2_stages"].other_ms - result.single_stream["1_stage"].other_ms
         ),
+        # The same difference through the bare relay: this machine's part of the figure above.
+        "added_ms_per_extra_hop_per_token_bare_relay": result.hop_floor["added_ms_per_hop"],
         "single_stream_tp3_vs_tp1": s["1_stage_tp3"] / s["1_stage"],
         # transformers' time to the first token of the long prompt over ours: above 1, ours is sooner
         "long_prompt_ttft_1_stage_vs_transformers": result.long_prompt_ttft_s["transformers"]

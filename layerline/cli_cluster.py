@@ -207,8 +207,10 @@ def add_cluster_commands(commands: Subcommands) -> None:
                     "of 1 stage at tp 3: time "
                     "to first token and decode tokens/s of one stream, and aggregate tokens/s at "
                     "1, 8 and 32 concurrent streams. Measurements are interleaved in rounds and "
-                    "the medians kept. Prints the figures, the ratios and whether each is within "
-                    "DESIGN.md's budget. Needs transformers (the test extra).",
+                    "the medians kept. Then the same extra hop through a bare gRPC relay of the "
+                    "model's matmuls, as this machine's floor for that figure. Prints the figures, "
+                    "the ratios and whether each is within DESIGN.md's budget. Needs transformers "
+                    "(the test extra).",
         formatter_class=HelpFormatter,
     )
     _model_flags(bench)
@@ -216,6 +218,7 @@ def add_cluster_commands(commands: Subcommands) -> None:
     bench.add_argument("--rounds", type=int, default=5, metavar="N",
                        help="interleaved rounds; the median of each figure is kept (default: 5)")
     bench.add_argument("--port", type=int, default=7179, metavar="P",
-                       help="the clusters' coordinators use P+1 and P+2 (default: 7179)")
+                       help="the clusters' coordinators use P+1 to P+3, the bare relay P+10 to P+12 "
+                            "(default: 7179)")
     bench.add_argument("--json", type=Path, metavar="FILE", help="also write the figures to FILE")
     bench.set_defaults(handler=_run_bench)

@@ -26,6 +26,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> int:
+    """The first of n consecutive free ports on 127.0.0.1."""
+    for _ in range(100):
+        base = free_port()
+        try:
+            for port in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
 class StageProcess:
     """`layerline stage ...` as a real OS process on a free 127.0.0.1 port."""
 

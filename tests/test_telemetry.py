@@ -15,7 +15,6 @@ import asyncio
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -48,7 +47,7 @@ from layerline.sampling import SamplingParams
 from layerline.stage_worker.step_telemetry import BusyClock
 from layerline.telemetry import Telemetry, TelemetrySettings
 
-from .stage_client import free_port
+from .stage_client import free_port, free_ports
 from .tiny_models import make_tiny_checkpoint, write_byte_tokenizer
 
 PROMPTS = ["Once upon a time", "The three primary colors are", "def fibonacci(n):", "Water boils at"]
@@ -111,20 +110,6 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
 
     def stop(self) -> None:
         self._server.stop(None)
-
-
-def free_ports(n: int) -> int:
-    """The first of n consecutive free ports on 127.0.0.1."""
-    for _ in range(100):
-        base = free_port()
-        try:
-            for port in range(base, base + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def scrape(port: int) -> dict[str, Metric]:

@@ -1,0 +1,201 @@
+"""The floor under `layerline bench`'s extra-hop figure: a bare gRPC relay of the model's matmuls.
+
+Owns `measure_hop_floor`. It starts bare relay stages as OS processes on this machine: one holding
+all of a model's layers, and two holding them split as `layerline up --stages 2` splits them. It
+drives one token at a time through the 1-stage relay and through the 2-stage one, in interleaved
+rounds. The difference of their median times between tokens is what one more hop costs on this
+machine with none of layerline's own work in it: no scheduler, KV cache, attention, sampling,
+checks or telemetry, only grpc.aio messages and the weights' matmuls.
+
+A relay stage is a grpc.aio server. Its step runs each of its layers' matmuls (fused qkv, o,
+fused gate/up, down, with SiLU) on random float32 weights, on one torch thread, inline on the
+event loop as layerline's stages run a lone token. It sends the hidden state, encoded by the
+codec, to the next stage; the last stage applies the LM head and answers the argmax token on a
+Results stream, as layerline's last stage answers the coordinator. Weights are seeded by layer
+index, so both relays compute the same function and return the same tokens.
+
+Knows a model by its config's shapes only: no checkpoint, tokenizer or coordinator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import grpc
+
+from layerline.launcher import head_weight, split_layers
+
+SERVICE = "layerline.HopFloor"
+READY_TIMEOUT_S = 300.0  # a relay stage builds its random weights before it listens
+
+
+def _raw(b: bytes) -> bytes:
+    return b
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The matmul shapes of a Llama-family decoder (global sizes: the relay has no tensor parallelism)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    qkv_width: int  # (num_heads + 2 * num_kv_heads) * head_dim
+    o_width: int  # num_heads * head_dim
+
+    @classmethod
+    def of(cls, config: dict) -> "Shapes":
+        hidden, heads = config["hidden_size"], config["num_attention_heads"]
+        head_dim = config.get("head_dim") or hidden // heads
+        kv_heads = config.get("num_key_value_heads", heads)
+        return cls(config["vocab_size"], hidden, config["intermediate_size"], config["num_hidden_layers"],
+                   (heads + 2 * kv_heads) * head_dim, heads * head_dim)
+
+
+async def _serve_stage(port: int, shapes: Shapes, start: int, end: int, next_address: str | None) -> None:
+    import torch
+
+    from layerline.protos.v1 import tensor_pb2
+    from layerline.stage_worker.codec import CodecLimits, decode, encode
+
+    torch.set_num_threads(1)
+    F = torch.nn.functional
+    h, i = shapes.hidden_size, shapes.intermediate_size
+
+    def weight(seed: int, rows: int, cols: int) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * cols ** -0.5
+
+    layers = [(weight(4 * n, shapes.qkv_width, h), weight(4 * n + 1, h, shapes.o_width),
+               weight(4 * n + 2, 2 * i, h), weight(4 * n + 3, h, i)) for n in range(start, end)]
+    embedding = weight(-1 % 2**31, shapes.vocab_size, h) if start == 0 else None
+    head = weight(-2 % 2**31, shapes.vocab_size, h) if end == shapes.num_layers else None
+    limits = CodecLimits()
+    answers: dict[str, asyncio.Queue[bytes]] = {"now": asyncio.Queue()}  # the newest subscriber's
+    downstream = None
+    if next_address is not None:
+        channel = grpc.aio.insecure_channel(next_address)
+        downstream = channel.stream_stream(f"/{SERVICE}/Step", request_serializer=_raw, response_deserializer=_raw)()
+
+    @torch.inference_mode()
+    def compute(x: torch.Tensor) -> torch.Tensor:  # [1, hidden]
+        for qkv, o, gate_up, down in layers:
+            attn = F.linear(x, qkv)[:, : shapes.o_width]  # [1, o_width]: a stand-in for attention's output
+            x = x + F.linear(attn, o)
+            gate, up = F.linear(x, gate_up).chunk(2, dim=-1)  # each [1, intermediate]
+            x = x + F.linear(F.silu(gate) * up, down)
+        return x
+
+    async def step(requests, context):  # type: ignore[no-untyped-def]
+        async for message in requests:
+            if embedding is not None:
+                x = embedding[int.from_bytes(message, "little")][None]  # [1, hidden]
+            else:
+                x = decode(tensor_pb2.Tensor.FromString(message), limits=limits)
+            x = compute(x)
+            if head is None:
+                assert downstream is not None
+                await downstream.write(encode(x).SerializeToString())
+            else:
+                answers["now"].put_nowait(int(F.linear(x, head).argmax()).to_bytes(4, "little"))
+        yield b""
+
+    async def results(request, context):  # type: ignore[no-untyped-def]
+        queue = answers["now"] = asyncio.Queue()  # replaces the last round's subscriber
+        await context.send_initial_metadata(())  # the driver knows it is subscribed
+        while True:
+            yield await queue.get()
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
+        "Step": grpc.stream_stream_rpc_method_handler(step, _raw, _raw),
+        "Results": grpc.unary_stream_rpc_method_handler(results, _raw, _raw),
+    }),))
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+async def _drive(first: str, last: str, tokens: int) -> tuple[list[int], float]:
+    """Feed each answered token back in, `tokens` times: (the tokens, the median gap in ms)."""
+    async with grpc.aio.insecure_channel(first) as head, grpc.aio.insecure_channel(last) as tail:
+        results = tail.unary_stream(f"/{SERVICE}/Results", request_serializer=_raw, response_deserializer=_raw)(b"")
+        await results.initial_metadata()
+        steps = head.stream_stream(f"/{SERVICE}/Step", request_serializer=_raw, response_deserializer=_raw)()
+        token, out, gaps = 1, [], []
+        for _ in range(tokens):
+            started = time.perf_counter()
+            await steps.write(token.to_bytes(4, "little"))
+            token = int.from_bytes(await results.read(), "little")
+            gaps.append(time.perf_counter() - started)
+            out.append(token)
+        results.cancel()
+        await steps.done_writing()
+    return out, 1000 * statistics.median(gaps[len(gaps) // 10:])  # past the first tenth: warm
+
+
+@dataclass(frozen=True)
+class HopFloor:
+    one_stage_gap_ms: float  # medians over rounds of each round's median time between tokens
+    two_stages_gap_ms: float
+    added_ms_per_hop: float  # the second minus the first
+    layer_ranges: list[tuple[int, int]]  # of the two stages
+    rounds: int
+    tokens: int  # per stream and round
+
+
+def measure_hop_floor(config: dict, *, rounds: int = 5, tokens: int = 64, port: int = 7190,
+                      log=lambda message: None) -> HopFloor:  # type: ignore[no-untyped-def]
+    """Start the relays (ports `port`..`port + 2`), measure, stop them; raise if their tokens differ."""
+    shapes = Shapes.of(config)
+    ranges = split_layers(shapes.num_layers, 2, head_weight=head_weight(config))
+    plan = [(port, 0, shapes.num_layers, None),
+            (port + 1, *ranges[0], f"127.0.0.1:{port + 2}"), (port + 2, *ranges[1], None)]
+    procs = [subprocess.Popen([sys.executable, "-m", "layerline.hop_floor", "--port", str(p), "--layers", f"{a}:{b}",
+                               "--shapes", json.dumps(asdict(shapes)), *(["--next", n] if n else [])])
+             for p, a, b, n in plan]
+    try:
+        for p, *_ in plan:
+            with grpc.insecure_channel(f"127.0.0.1:{p}") as channel:
+                grpc.channel_ready_future(channel).result(timeout=READY_TIMEOUT_S)
+        one_addr, first, last = (f"127.0.0.1:{p}" for p, *_ in plan)
+        one, two = [], []
+        for r in range(rounds):
+            one_tokens, one_gap = asyncio.run(_drive(one_addr, one_addr, tokens))
+            two_tokens, two_gap = asyncio.run(_drive(first, last, tokens))
+            if one_tokens != two_tokens:
+                raise RuntimeError("the 1-stage and 2-stage relays returned different tokens")
+            one.append(one_gap)
+            two.append(two_gap)
+            log(f"hop floor round {r + 1}/{rounds}: bare relay, a token every {one_gap:.2f} ms on 1 stage, "
+                f"{two_gap:.2f} ms on 2: {two_gap - one_gap:.2f} ms a hop")
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=30)
+    a, b = statistics.median(one), statistics.median(two)
+    return HopFloor(a, b, b - a, ranges, rounds, tokens)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m layerline.hop_floor",
+                                     description="One bare relay stage (started by measure_hop_floor).")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--layers", required=True, metavar="START:END")
+    parser.add_argument("--shapes", required=True, metavar="JSON")
+    parser.add_argument("--next", metavar="ADDR", help="the next stage; none on the last")
+    args = parser.parse_args(argv)
+    start, end = (int(v) for v in args.layers.split(":"))
+    asyncio.run(_serve_stage(args.port, Shapes(**json.loads(args.shapes)), start, end, args.next))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""The bare relay behind `layerline bench`'s hop floor: real processes, real gRPC on 127.0.0.1.
+
+Its figures are timings, never asserted; what is asserted is that the relay is wired right: both
+relays compute the same function, the 2-stage one across its hop, so they return the same tokens
+(`measure_hop_floor` raises otherwise), split as `layerline up --stages 2` splits the layers.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from layerline.hop_floor import HopFloor, Shapes, measure_hop_floor
+
+from .stage_client import free_ports
+
+CONFIG = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2)
+
+
+def test_shapes_of_a_config_give_the_fused_widths() -> None:
+    assert Shapes.of(CONFIG) == Shapes(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=4,
+                                       qkv_width=(4 + 2 * 2) * 8, o_width=4 * 8)
+
+
+def test_both_relays_return_the_same_tokens_over_the_split_of_layerline_up() -> None:
+    rounds = []
+    floor = measure_hop_floor(CONFIG, rounds=2, tokens=12, port=free_ports(3), log=rounds.append)
+    assert isinstance(floor, HopFloor)
+    assert floor.layer_ranges == [(0, 2), (2, 4)]  # the LM head weighs a third of a layer here
+    assert (floor.rounds, floor.tokens) == (2, 12)
+    assert len(rounds) == 2 and rounds[0].startswith("hop floor round 1/2: bare relay")
+    assert floor.one_stage_gap_ms > 0 and floor.two_stages_gap_ms > 0
+    assert floor.added_ms_per_hop == pytest.approx(floor.two_stages_gap_ms - floor.one_stage_gap_ms)
