@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from layerline.model_store import resolve_model
 from layerline.protos.v1 import coordinator_pb2_grpc
-from layerline.rpc import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from layerline.rpc import DEFAULT_MAX_MESSAGE_BYTES, listen, server_options
 from layerline.telemetry import Telemetry, TelemetrySettings
 
 from .cluster import DEFAULT_PREFIX_CACHE, Cluster
@@ -63,7 +63,7 @@ async def serve(settings: CoordinatorSettings, *, stop: asyncio.Event | None = N
         share_prefixes=settings.share_prefixes, prefix_cache=settings.prefix_cache, depth=settings.depth,
         tracer=telemetry.tracer,
     )
-    server = grpc.aio.server(options=channel_options(settings.max_message_bytes))
+    server = grpc.aio.server(options=server_options(settings.max_message_bytes))
     admission = Admission(
         max_active=settings.max_active, max_queued=settings.max_queued, rate_limit=settings.rate_limit,
         default_max_tokens=settings.default_max_tokens,
@@ -80,9 +80,7 @@ async def serve(settings: CoordinatorSettings, *, stop: asyncio.Event | None = N
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
-    if port == 0:
-        raise OSError(f"cannot listen on {settings.host}:{settings.port}")
+    port = listen(server, f"{settings.host}:{settings.port}")
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     log.info("coordinator for %s (%d layers) serving on %s:%d", Path(checkpoint).name,

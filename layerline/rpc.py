@@ -1,12 +1,14 @@
 """gRPC settings every layerline process shares: channel and server options, size parsing.
 
 Owns the one list of channel options (message-size limits, keepalive) so that no module builds
-its own. Imports grpc only; safe for the client SDK.
+its own, and how a server takes its port (`server_options`, `listen`). Imports grpc only; safe
+for the client SDK.
 """
 
 from __future__ import annotations
 
 import re
+from typing import Protocol
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 KEEPALIVE_MS = 10_000  # ping an idle long-lived stream this often
@@ -14,6 +16,10 @@ KEEPALIVE_TIMEOUT_MS = 5_000  # and call it dead when a ping is not answered in 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+class AddsPorts(Protocol):  # grpc.Server and grpc.aio.Server
+    def add_insecure_port(self, address: str) -> int: ...
 
 
 def parse_size(text: str) -> int:
@@ -37,3 +43,20 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
         ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
     ]
+
+
+def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """A server's options: a channel's, and its port its own. gRPC sets SO_REUSEPORT by default,
+    so a second server on a port in use would start and take some of its connections."""
+    return [*channel_options(max_message_bytes), ("grpc.so_reuseport", 0)]
+
+
+def listen(server: AddsPorts, address: str) -> int:
+    """Bind `server` (made with `server_options`) to `address`: the port, or OSError naming it."""
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError:  # grpc's message only says to turn on its debug log
+        port = 0
+    if port == 0:
+        raise OSError(f"cannot listen on {address}: the port is in use, or the host is not an address of this machine")
+    return port

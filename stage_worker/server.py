@@ -27,7 +27,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from layerline.model_store import resolve_model
 from layerline.protos.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, stage_pb2_grpc
-from layerline.rpc import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from layerline.rpc import DEFAULT_MAX_MESSAGE_BYTES, channel_options, listen, server_options
 from layerline.telemetry import Telemetry, TelemetrySettings
 
 from .codec import CodecLimits, dtype_to_wire
@@ -175,14 +175,12 @@ class StageWorker:
     async def serve(self, *, stop: asyncio.Event | None = None) -> None:
         """Load, listen, and serve until `stop` is set or SIGTERM/SIGINT arrives."""
         s = self.settings
-        server = grpc.aio.server(options=channel_options(s.max_message_bytes))
+        server = grpc.aio.server(options=server_options(s.max_message_bytes))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         proxy = _UntilLoaded()
         stage_pb2_grpc.add_StageWorkerServicer_to_server(proxy, server)
         await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        port = server.add_insecure_port(f"{s.host}:{s.port}")
-        if port == 0:
-            raise OSError(f"cannot listen on {s.host}:{s.port}")
+        port = listen(server, f"{s.host}:{s.port}")
         self.address = s.advertise or f"{s.host}:{port}"
         await server.start()
         stop = stop or asyncio.Event()

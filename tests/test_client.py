@@ -47,7 +47,7 @@ from layerline.client import (
     wire,
 )
 from layerline.protos.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, tensor_pb2
-from layerline.rpc import channel_options
+from layerline.rpc import channel_options, listen, server_options
 
 pb = coordinator_pb2
 STOP, LENGTH = pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH
@@ -326,6 +326,15 @@ def test_unreachable_server_is_unavailable() -> None:
         port = s.getsockname()[1]
     with Client(f"127.0.0.1:{port}") as c, pytest.raises(Unavailable):
         c.generate("Once upon a time", timeout=5.0)
+
+
+def test_a_server_does_not_share_a_port_another_grpc_server_holds(server: tuple[str, ScriptedCoordinator]) -> None:
+    """The scripted coordinator listens with gRPC's defaults (SO_REUSEPORT); ours refuse its port."""
+    address, _ = server
+    ours = grpc.server(futures.ThreadPoolExecutor(max_workers=1), options=server_options())
+    with pytest.raises(OSError, match=f"cannot listen on {address}: the port is in use"):
+        listen(ours, address)
+    ours.stop(None)
 
 
 def test_models_and_cluster(client: Client) -> None:

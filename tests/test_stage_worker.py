@@ -67,6 +67,18 @@ def test_info_describes_each_stage(chain):
     assert a.state == b.state == common_pb2.WORKER_STATE_SERVING
 
 
+def test_a_second_stage_on_a_port_in_use_exits_naming_it(chain, ckpt, tmp_path):
+    """gRPC would share the port (SO_REUSEPORT) and split its connections; the stage refuses."""
+    first, _ = chain
+    second = StageProcess(ckpt, "0:2", "--port", str(first.port), log_dir=tmp_path)
+    try:
+        assert second.proc.wait(timeout=60) == 2
+    finally:
+        second.stop()
+    assert f"error: cannot listen on 127.0.0.1:{first.port}: the port is in use" in second.log()
+    assert first.info().state == common_pb2.WORKER_STATE_SERVING and first.proc.poll() is None
+
+
 def test_two_stage_chain_matches_greedy_oracle_with_mixed_batches(chain, oracle):
     """4 prompts of different lengths: chunked prefills mixed with decodes, one stream."""
     first, last = chain
