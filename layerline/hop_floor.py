@@ -26,14 +26,17 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import grpc
 
 from layerline.launcher import head_weight, split_layers
+from layerline.rpc import listen, server_options
 
 SERVICE = "layerline.HopFloor"
 READY_TIMEOUT_S = 300.0  # a relay stage builds its random weights before it listens
+EMBEDDING_SEED, HEAD_SEED = 2**31 - 1, 2**31 - 2  # layer n's four weights take seeds 4n .. 4n + 3
 
 
 def _raw(b: bytes) -> bytes:
@@ -75,8 +78,8 @@ async def _serve_stage(port: int, shapes: Shapes, start: int, end: int, next_add
 
     layers = [(weight(4 * n, shapes.qkv_width, h), weight(4 * n + 1, h, shapes.o_width),
                weight(4 * n + 2, 2 * i, h), weight(4 * n + 3, h, i)) for n in range(start, end)]
-    embedding = weight(-1 % 2**31, shapes.vocab_size, h) if start == 0 else None
-    head = weight(-2 % 2**31, shapes.vocab_size, h) if end == shapes.num_layers else None
+    embedding = weight(EMBEDDING_SEED, shapes.vocab_size, h) if start == 0 else None
+    head = weight(HEAD_SEED, shapes.vocab_size, h) if end == shapes.num_layers else None
     limits = CodecLimits()
     answers: dict[str, asyncio.Queue[bytes]] = {"now": asyncio.Queue()}  # the newest subscriber's
     downstream = None
@@ -113,12 +116,12 @@ async def _serve_stage(port: int, shapes: Shapes, start: int, end: int, next_add
         while True:
             yield await queue.get()
 
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=server_options())
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
         "Step": grpc.stream_stream_rpc_method_handler(step, _raw, _raw),
         "Results": grpc.unary_stream_rpc_method_handler(results, _raw, _raw),
     }),))
-    server.add_insecure_port(f"127.0.0.1:{port}")
+    listen(server, f"127.0.0.1:{port}")
     await server.start()
     await server.wait_for_termination()
 
@@ -152,7 +155,7 @@ class HopFloor:
 
 
 def measure_hop_floor(config: dict, *, rounds: int = 5, tokens: int = 64, port: int = 7190,
-                      log=lambda message: None) -> HopFloor:  # type: ignore[no-untyped-def]
+                      log: Callable[[str], None] = lambda _: None) -> HopFloor:
     """Start the relays (ports `port`..`port + 2`), measure, stop them; raise if their tokens differ."""
     shapes = Shapes.of(config)
     ranges = split_layers(shapes.num_layers, 2, head_weight=head_weight(config))
@@ -162,9 +165,8 @@ def measure_hop_floor(config: dict, *, rounds: int = 5, tokens: int = 64, port: 
                                "--shapes", json.dumps(asdict(shapes)), *(["--next", n] if n else [])])
              for p, a, b, n in plan]
     try:
-        for p, *_ in plan:
-            with grpc.insecure_channel(f"127.0.0.1:{p}") as channel:
-                grpc.channel_ready_future(channel).result(timeout=READY_TIMEOUT_S)
+        for proc, (p, *_) in zip(procs, plan):
+            _wait_listening(proc, p)
         one_addr, first, last = (f"127.0.0.1:{p}" for p, *_ in plan)
         one, two = [], []
         for r in range(rounds):
@@ -183,6 +185,22 @@ def measure_hop_floor(config: dict, *, rounds: int = 5, tokens: int = 64, port: 
             proc.wait(timeout=30)
     a, b = statistics.median(one), statistics.median(two)
     return HopFloor(a, b, b - a, ranges, rounds, tokens)
+
+
+def _wait_listening(proc: subprocess.Popen[bytes], port: int) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        ready = grpc.channel_ready_future(channel)
+        while True:
+            try:
+                ready.result(timeout=1.0)
+                return
+            except grpc.FutureTimeoutError:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the bare relay stage on port {port} exited with code {proc.returncode}") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the bare relay stage on port {port} did not listen within "
+                                       f"{READY_TIMEOUT_S:.0f} s") from None
 
 
 def main(argv: list[str] | None = None) -> None:

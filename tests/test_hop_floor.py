@@ -7,6 +7,8 @@ relays compute the same function, the 2-stage one across its hop, so they return
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from layerline.hop_floor import HopFloor, Shapes, measure_hop_floor
@@ -31,3 +33,12 @@ def test_both_relays_return_the_same_tokens_over_the_split_of_layerline_up() -> 
     assert len(rounds) == 2 and rounds[0].startswith("hop floor round 1/2: bare relay")
     assert floor.one_stage_gap_ms > 0 and floor.two_stages_gap_ms > 0
     assert floor.added_ms_per_hop == pytest.approx(floor.two_stages_gap_ms - floor.one_stage_gap_ms)
+
+
+def test_a_relay_stage_that_cannot_listen_is_named_not_waited_for() -> None:
+    base = free_ports(3)
+    with socket.socket() as taken:  # the 2-stage relay's first stage finds its port taken
+        taken.bind(("127.0.0.1", base + 1))
+        taken.listen()
+        with pytest.raises(RuntimeError, match=f"the bare relay stage on port {base + 1} exited with code 1"):
+            measure_hop_floor(CONFIG, rounds=1, tokens=4, port=base)
