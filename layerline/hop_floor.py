@@ -36,6 +36,7 @@ from layerline.rpc import listen, server_options
 
 SERVICE = "layerline.HopFloor"
 READY_TIMEOUT_S = 300.0  # a relay stage builds its random weights before it listens
+TOKEN_TIMEOUT_S = 60.0  # a token's way through a relay; past it the measurement fails, never hangs
 EMBEDDING_SEED, HEAD_SEED = 2**31 - 1, 2**31 - 2  # layer n's four weights take seeds 4n .. 4n + 3
 
 
@@ -82,10 +83,7 @@ async def _serve_stage(port: int, shapes: Shapes, start: int, end: int, next_add
     head = weight(HEAD_SEED, shapes.vocab_size, h) if end == shapes.num_layers else None
     limits = CodecLimits()
     answers: dict[str, asyncio.Queue[bytes]] = {"now": asyncio.Queue()}  # the newest subscriber's
-    downstream = None
-    if next_address is not None:
-        channel = grpc.aio.insecure_channel(next_address)
-        downstream = channel.stream_stream(f"/{SERVICE}/Step", request_serializer=_raw, response_deserializer=_raw)()
+    downstream: list[grpc.aio.StreamStreamCall] = []  # to the next stage, opened by the first step
 
     @torch.inference_mode()
     def compute(x: torch.Tensor) -> torch.Tensor:  # [1, hidden]
@@ -104,8 +102,12 @@ async def _serve_stage(port: int, shapes: Shapes, start: int, end: int, next_add
                 x = decode(tensor_pb2.Tensor.FromString(message), limits=limits)
             x = compute(x)
             if head is None:
-                assert downstream is not None
-                await downstream.write(encode(x).SerializeToString())
+                assert next_address is not None
+                if not downstream:  # every stage listens by now: the driver waited for them all
+                    channel = grpc.aio.insecure_channel(next_address)
+                    downstream.append(channel.stream_stream(f"/{SERVICE}/Step", request_serializer=_raw,
+                                                            response_deserializer=_raw)(wait_for_ready=True))
+                await downstream[0].write(encode(x).SerializeToString())
             else:
                 answers["now"].put_nowait(int(F.linear(x, head).argmax()).to_bytes(4, "little"))
         yield b""
@@ -130,18 +132,42 @@ async def _drive(first: str, last: str, tokens: int) -> tuple[list[int], float]:
     """Feed each answered token back in, `tokens` times: (the tokens, the median gap in ms)."""
     async with grpc.aio.insecure_channel(first) as head, grpc.aio.insecure_channel(last) as tail:
         results = tail.unary_stream(f"/{SERVICE}/Results", request_serializer=_raw, response_deserializer=_raw)(b"")
-        await results.initial_metadata()
+        await asyncio.wait_for(results.initial_metadata(), TOKEN_TIMEOUT_S)
         steps = head.stream_stream(f"/{SERVICE}/Step", request_serializer=_raw, response_deserializer=_raw)()
         token, out, gaps = 1, [], []
-        for _ in range(tokens):
+        for i in range(tokens):
             started = time.perf_counter()
             await steps.write(token.to_bytes(4, "little"))
-            token = int.from_bytes(await results.read(), "little")
+            try:
+                answer = await asyncio.wait_for(results.read(), TOKEN_TIMEOUT_S)
+            except TimeoutError:
+                raise TimeoutError(f"the bare relay {first} .. {last} returned no token {i} within "
+                                   f"{TOKEN_TIMEOUT_S:.0f} s") from None
+            if answer is grpc.aio.EOF:
+                raise RuntimeError(f"the bare relay's results stream from {last} ended")
+            token = int.from_bytes(answer, "little")
             gaps.append(time.perf_counter() - started)
             out.append(token)
         results.cancel()
         await steps.done_writing()
     return out, 1000 * statistics.median(gaps[len(gaps) // 10:])  # past the first tenth: warm
+
+
+async def _rounds(one: str, first: str, last: str, *, rounds: int, tokens: int,
+                  log: Callable[[str], None]) -> tuple[list[float], list[float]]:
+    """Interleaved rounds, 1 stage then 2, on one event loop: each relay's median gap per round."""
+    one_gaps: list[float] = []
+    two_gaps: list[float] = []
+    for r in range(rounds):
+        one_tokens, one_gap = await _drive(one, one, tokens)
+        two_tokens, two_gap = await _drive(first, last, tokens)
+        if one_tokens != two_tokens:
+            raise RuntimeError("the 1-stage and 2-stage relays returned different tokens")
+        one_gaps.append(one_gap)
+        two_gaps.append(two_gap)
+        log(f"hop floor round {r + 1}/{rounds}: bare relay, a token every {one_gap:.2f} ms on 1 stage, "
+            f"{two_gap:.2f} ms on 2: {two_gap - one_gap:.2f} ms a hop")
+    return one_gaps, two_gaps
 
 
 @dataclass(frozen=True)
@@ -167,17 +193,7 @@ def measure_hop_floor(config: dict, *, rounds: int = 5, tokens: int = 64, port: 
     try:
         for proc, (p, *_) in zip(procs, plan):
             _wait_listening(proc, p)
-        one_addr, first, last = (f"127.0.0.1:{p}" for p, *_ in plan)
-        one, two = [], []
-        for r in range(rounds):
-            one_tokens, one_gap = asyncio.run(_drive(one_addr, one_addr, tokens))
-            two_tokens, two_gap = asyncio.run(_drive(first, last, tokens))
-            if one_tokens != two_tokens:
-                raise RuntimeError("the 1-stage and 2-stage relays returned different tokens")
-            one.append(one_gap)
-            two.append(two_gap)
-            log(f"hop floor round {r + 1}/{rounds}: bare relay, a token every {one_gap:.2f} ms on 1 stage, "
-                f"{two_gap:.2f} ms on 2: {two_gap - one_gap:.2f} ms a hop")
+        one, two = asyncio.run(_rounds(*(f"127.0.0.1:{p}" for p, *_ in plan), rounds=rounds, tokens=tokens, log=log))
     finally:
         for proc in procs:
             proc.terminate()
