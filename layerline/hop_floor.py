@@ -33,6 +33,7 @@ import grpc
 
 from layerline.launcher import head_weight, split_layers
 from layerline.rpc import listen, server_options
+from layerline.stage_worker.model_config import ModelConfig
 
 SERVICE = "layerline.HopFloor"
 READY_TIMEOUT_S = 300.0  # a relay stage builds its random weights before it listens
@@ -57,11 +58,10 @@ class Shapes:
 
     @classmethod
     def of(cls, config: dict) -> "Shapes":
-        hidden, heads = config["hidden_size"], config["num_attention_heads"]
-        head_dim = config.get("head_dim") or hidden // heads
-        kv_heads = config.get("num_key_value_heads", heads)
-        return cls(config["vocab_size"], hidden, config["intermediate_size"], config["num_hidden_layers"],
-                   (heads + 2 * kv_heads) * head_dim, heads * head_dim)
+        """From a checkpoint's config.json, read and checked as a stage reads it."""
+        c = ModelConfig.from_dict(config)
+        return cls(c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers,
+                   (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.num_heads * c.head_dim)
 
 
 async def _serve_stage(port: int, shapes: Shapes, start: int, end: int, next_address: str | None) -> None:

@@ -15,7 +15,7 @@ from layerline.hop_floor import HopFloor, Shapes, measure_hop_floor
 
 from .stage_client import free_ports
 
-CONFIG = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+CONFIG = dict(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2)
 
 

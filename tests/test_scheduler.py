@@ -133,13 +133,8 @@ def test_a_finished_sequence_stays_as_a_lender_until_the_cache_needs_its_room():
         assert sender.released == [] and list(sched.cached) == ["a"]
         assert (sched.cached_tokens, sched.cached_blocks(4), sched.cached_blocks(16)) == (6, 2, 1)
         b = ending("b", [1, 2, 3, 4, 5, 9, 9, 9], tokens=1)  # a's prompt, then its own
-        sched.add(b)
-        await settle()
-        assert [(s.start, s.prefix_from) for s in sender.steps[-1][0].slices] == [(5, a)]
-        sender.answer(-1)
-        await settle()
-        sched.finish(b)
-        await settle()
+        await run_to_end(sched, sender, b)
+        assert [(s.start, s.prefix_from) for s in sender.steps[-1][0].slices] == [(5, a)]  # its one step
         assert list(sched.cached) == ["a", "b"] and sender.released == []  # 2 + 2 blocks: full
         c = ending("c", [8, 8, 8, 8, 8, 8], tokens=1)
         await run_to_end(sched, sender, c)
@@ -248,13 +243,8 @@ def test_the_next_turn_of_a_chat_replaces_the_turn_before_in_the_cache():
         await run_to_end(sched, sender, other)
         assert list(sched.cached) == ["first", "other"]
         second = ending("second", [1, 2, 3, 4, 5, 7, 7, 8, 8], tokens=1)  # the conversation so far, and more
-        sched.add(second)
-        await settle()
-        assert [(s.start, s.prefix_from) for s in sender.steps[-1][0].slices] == [(6, first)]
-        sender.answer(-1)
-        await settle()
-        sched.finish(second)
-        await settle()
+        await run_to_end(sched, sender, second)
+        assert [(s.start, s.prefix_from) for s in sender.steps[-1][0].slices] == [(6, first)]  # its one step
         assert list(sched.cached) == ["other", "second"] and sender.released == ["first"]
         await sched.stop()
 
