@@ -16,7 +16,7 @@ import grpc
 import grpc.aio
 
 from layerline.protos.v1 import coordinator_pb2, coordinator_pb2_grpc
-from layerline.rpc import channel_options
+from layerline.shared.rpc import channel_options
 
 from . import wire
 from .errors import error_from_rpc

@@ -15,7 +15,7 @@ from typing import Protocol, TypeVar
 import grpc
 
 from layerline.protos.v1 import coordinator_pb2, coordinator_pb2_grpc
-from layerline.rpc import channel_options
+from layerline.shared.rpc import channel_options
 
 from . import wire
 from .errors import error_from_rpc

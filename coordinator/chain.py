@@ -25,7 +25,7 @@ import grpc
 from opentelemetry.trace import Tracer
 
 from layerline.protos.v1 import common_pb2, stage_pb2, stage_pb2_grpc
-from layerline.rpc import channel_options
+from layerline.shared.rpc import channel_options
 
 from .scheduler import Outcome, PlannedStep, StepFailed
 from .telemetry import StepSpans

@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from layerline.sampling import SamplingParams
+from layerline.shared.sampling import SamplingParams
 
 from .scheduler import Sequence
 from .text import IncrementalDetokenizer, StopMatcher, TextModel

@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from layerline.sampling import SamplingParams
+from layerline.shared.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from layerline.model_store import resolve_model
 from layerline.protos.v1 import coordinator_pb2_grpc
-from layerline.rpc import DEFAULT_MAX_MESSAGE_BYTES, listen, server_options
-from layerline.telemetry import Telemetry, TelemetrySettings
+from layerline.shared.rpc import DEFAULT_MAX_MESSAGE_BYTES, listen, server_options
+from layerline.shared.telemetry import Telemetry, TelemetrySettings
 
 from .cluster import DEFAULT_PREFIX_CACHE, Cluster
 from .registry import Registry

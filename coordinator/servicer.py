@@ -20,7 +20,7 @@ import grpc
 from asyncio_throttle import Throttler
 
 from layerline.protos.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, tensor_pb2
-from layerline.sampling import SamplingParams
+from layerline.shared.sampling import SamplingParams
 
 from .cluster import Cluster, NoChainError
 from .generation import Delta, Failed, Finished, Generation, Limits

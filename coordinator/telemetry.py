@@ -28,8 +28,8 @@ from opentelemetry import propagate
 from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Meter, Observation
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer, set_span_in_context
 
-from layerline.sampling import SamplingParams
-from layerline.telemetry import SECONDS_BUCKETS, Telemetry
+from layerline.shared.sampling import SamplingParams
+from layerline.shared.telemetry import SECONDS_BUCKETS, Telemetry
 
 from .scheduler import Outcome, PlannedStep, Sequence, StepFailed
 

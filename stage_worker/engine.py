@@ -19,7 +19,7 @@ import torch
 
 from .kv_cache import KVCacheExhausted, PagedKVCache
 from .llama import StageModel
-from layerline.sampling import SamplingParams
+from layerline.shared.sampling import SamplingParams
 
 from .sampler import Draw, sample
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import grpc
 
 from layerline.protos.v1 import common_pb2, stage_pb2, stage_pb2_grpc
-from layerline.rpc import channel_options
+from layerline.shared.rpc import channel_options
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kv_cache import PagedKVCache, StepLayout
-from .model_config import LayerRange, ModelConfig, RopeConfig
+from layerline.shared.model_config import LayerRange, ModelConfig, RopeConfig
 from .parallel import Shards, TensorParallel, shards_for
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .model_config import ConfigError, ModelConfig
+from layerline.shared.model_config import ConfigError, ModelConfig
 
 
 @dataclass(frozen=True)

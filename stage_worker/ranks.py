@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from layerline.sampling import SamplingParams
+from layerline.shared.sampling import SamplingParams
 
 from .engine import SequenceStep, StageEngine, StepOutput
 

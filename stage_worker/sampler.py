@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from layerline.sampling import SamplingParams
+from layerline.shared.sampling import SamplingParams
 
 @dataclass(frozen=True)
 class Draw:

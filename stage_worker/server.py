@@ -27,8 +27,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from layerline.model_store import resolve_model
 from layerline.protos.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, stage_pb2_grpc
-from layerline.rpc import DEFAULT_MAX_MESSAGE_BYTES, channel_options, listen, server_options
-from layerline.telemetry import Telemetry, TelemetrySettings
+from layerline.shared.rpc import DEFAULT_MAX_MESSAGE_BYTES, channel_options, listen, server_options
+from layerline.shared.telemetry import Telemetry, TelemetrySettings
 
 from .codec import CodecLimits, dtype_to_wire
 from . import tp_group
@@ -37,7 +37,7 @@ from .parallel import TensorParallel
 from .ranks import LeadingEngine, RankFailed, follow
 from .hops import NextHops
 from .kv_cache import CacheShape, PagedKVCache
-from .model_config import LayerRange, ModelConfig
+from layerline.shared.model_config import LayerRange, ModelConfig
 from .servicer import StageServicer, StreamLimits
 from .step_telemetry import StageTelemetry
 from .weights import load_stage, model_id

@@ -30,7 +30,7 @@ import grpc
 import torch
 
 from layerline.protos.v1 import common_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
-from layerline.sampling import SamplingParams
+from layerline.shared.sampling import SamplingParams
 
 from .codec import CodecLimits, FrameError, Reassembler, chunk
 from .engine import SMALL_STEP_TOKENS, SequenceError, SequenceStep, StageEngine, StepInputError, StepOutput

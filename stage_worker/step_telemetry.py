@@ -28,7 +28,7 @@ from opentelemetry import propagate
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_context
 
-from layerline.telemetry import BYTES_BUCKETS, SECONDS_BUCKETS, Telemetry
+from layerline.shared.telemetry import BYTES_BUCKETS, SECONDS_BUCKETS, Telemetry
 
 from .engine import SequenceStep
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from .llama import WEIGHT_LAYOUTS, LMHead, StageModel, can_pack, rope_inv_freq
-from .model_config import ConfigError, LayerRange, ModelConfig
+from layerline.shared.model_config import ConfigError, LayerRange, ModelConfig
 from .parallel import Shards, TensorParallel
 
 SINGLE_FILE = "model.safetensors"

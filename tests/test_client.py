@@ -47,7 +47,7 @@ from layerline.client import (
     wire,
 )
 from layerline.protos.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, tensor_pb2
-from layerline.rpc import channel_options, listen, server_options
+from layerline.shared.rpc import channel_options, listen, server_options
 
 pb = coordinator_pb2
 STOP, LENGTH = pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH

@@ -7,7 +7,7 @@ import torch
 
 from layerline.stage_worker.engine import SequenceStep, StageEngine, StepInputError
 from layerline.stage_worker.kv_cache import CacheShape, KVCacheExhausted, PagedKVCache
-from layerline.stage_worker.model_config import LayerRange
+from layerline.shared.model_config import LayerRange
 from layerline.stage_worker.sampler import SamplingParams, sample
 from layerline.stage_worker.weights import load_stage
 

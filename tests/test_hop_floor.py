@@ -11,7 +11,7 @@ import socket
 
 import pytest
 
-from layerline.hop_floor import HopFloor, Shapes, measure_hop_floor
+from layerline.bench.hop_floor import HopFloor, Shapes, measure_hop_floor
 
 from .stage_client import free_ports
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from layerline.stage_worker.model_config import ConfigError, LayerRange, ModelConfig
+from layerline.shared.model_config import ConfigError, LayerRange, ModelConfig
 from layerline.stage_worker.weights import CheckpointError, CheckpointReader, load_stage, owned_tensor_names
 
 from .pipeline import LocalPipeline

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from tokenizers import pre_tokenizers
 
-from layerline import model_store
+from layerline.model_store import store as model_store
 from layerline.cli import main
-from layerline.model_store import (
+from layerline.model_store.store import (
     COMPLETE_MARKER, DEFAULT_MODEL, KNOWN_MODELS, ModelStoreError, cache_root, fetch_model, resolve_model,
 )
 
@@ -132,7 +132,7 @@ def test_concurrent_fetches_in_separate_processes_download_once(tmp_path: Path, 
     script = textwrap.dedent(f"""
         import os, shutil, sys, time
         from pathlib import Path
-        from layerline import model_store
+        from layerline.model_store import store as model_store
 
         def slow_download(spec, dest):
             with open({str(log)!r}, "a") as f:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from layerline.stage_worker.model_config import LayerRange
+from layerline.shared.model_config import LayerRange
 from layerline.stage_worker.weights import load_stage
 
 from .pipeline import LocalPipeline

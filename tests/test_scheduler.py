@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from layerline.coordinator.scheduler import ChainScheduler, Outcome, PlannedStep, Sequence
-from layerline.sampling import SamplingParams
+from layerline.shared.sampling import SamplingParams
 
 
 class HeldSteps:

@@ -10,7 +10,7 @@ import torch
 
 from layerline.protos.v1 import common_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
 from layerline.stage_worker.codec import chunk
-from layerline.stage_worker.model_config import LayerRange
+from layerline.shared.model_config import LayerRange
 from layerline.stage_worker.weights import load_stage
 
 from .pipeline import LocalPipeline

@@ -43,9 +43,9 @@ from layerline.client import AsyncClient, Client, Completion, InvalidArgument
 from layerline.coordinator.scheduler import Outcome, PlannedStep, Sequence, Slice, StepFailed
 from layerline.coordinator.telemetry import StepSpans
 from layerline.launcher import ClusterPlan, LocalCluster
-from layerline.sampling import SamplingParams
+from layerline.shared.sampling import SamplingParams
 from layerline.stage_worker.step_telemetry import BusyClock
-from layerline.telemetry import Telemetry, TelemetrySettings
+from layerline.shared.telemetry import Telemetry, TelemetrySettings
 
 from .stage_client import free_port, free_ports
 from .tiny_models import make_tiny_checkpoint, write_byte_tokenizer
@@ -440,7 +440,7 @@ def test_bubble_fraction_is_the_idle_share_of_the_time_with_live_sequences():
 
 def test_the_coordinator_with_its_exporters_imports_no_torch():
     code = (
-        "import sys, layerline.coordinator.server, layerline.telemetry\n"
+        "import sys, layerline.coordinator.server, layerline.shared.telemetry\n"
         "from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter\n"
         "from opentelemetry.exporter.prometheus import PrometheusMetricReader\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"

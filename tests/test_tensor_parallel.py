@@ -8,7 +8,7 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from layerline.stage_worker.model_config import ConfigError, LayerRange, ModelConfig
+from layerline.shared.model_config import ConfigError, LayerRange, ModelConfig
 from layerline.stage_worker.parallel import TensorParallel, shards_for
 from layerline.stage_worker.weights import CheckpointReader, load_stage
 

@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass
 import grpc
 
 from layerline.launcher import head_weight, split_layers
-from layerline.rpc import listen, server_options
-from layerline.stage_worker.model_config import ModelConfig
+from layerline.shared.rpc import listen, server_options
+from layerline.shared.model_config import ModelConfig
 
 SERVICE = "layerline.HopFloor"
 READY_TIMEOUT_S = 300.0  # a relay stage builds its random weights before it listens
@@ -187,7 +187,7 @@ def measure_hop_floor(config: dict, *, rounds: int = 5, tokens: int = 64, port: 
     ranges = split_layers(shapes.num_layers, 2, head_weight=head_weight(config))
     plan = [(port, 0, shapes.num_layers, None),
             (port + 1, *ranges[0], f"127.0.0.1:{port + 2}"), (port + 2, *ranges[1], None)]
-    procs = [subprocess.Popen([sys.executable, "-m", "layerline.hop_floor", "--port", str(p), "--layers", f"{a}:{b}",
+    procs = [subprocess.Popen([sys.executable, "-m", "layerline.bench.hop_floor", "--port", str(p), "--layers", f"{a}:{b}",
                                "--shapes", json.dumps(asdict(shapes)), *(["--next", n] if n else [])])
              for p, a, b, n in plan]
     try:
@@ -220,7 +220,7 @@ def _wait_listening(proc: subprocess.Popen[bytes], port: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m layerline.hop_floor",
+    parser = argparse.ArgumentParser(prog="python -m layerline.bench.hop_floor",
                                      description="One bare relay stage (started by measure_hop_floor).")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--layers", required=True, metavar="START:END")

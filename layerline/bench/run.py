@@ -29,7 +29,7 @@ from pathlib import Path
 import grpc
 
 from layerline.client import AsyncClient, Client
-from layerline.hop_floor import measure_hop_floor
+from layerline.bench.hop_floor import measure_hop_floor
 from layerline.launcher import ClusterPlan, LocalCluster
 from layerline.protos.v1 import stage_pb2, stage_pb2_grpc
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .cli_support import HelpFormatter, Subcommands, add_telemetry_flags, reported_as_errors, telemetry_settings
+from .support import HelpFormatter, Subcommands, add_telemetry_flags, reported_as_errors, telemetry_settings
 
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
@@ -154,7 +154,7 @@ def _run_status(args: argparse.Namespace) -> int:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from layerline.bench import run_bench
+    from layerline.bench.run import run_bench
     from layerline.model_store import ModelStoreError, resolve_model
 
     with reported_as_errors(ModelStoreError, RuntimeError, TimeoutError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from .cli_support import (
+from .support import (
     HelpFormatter,
     Subcommands,
     add_telemetry_flags,
@@ -22,14 +22,14 @@ def _run_stage(args: argparse.Namespace) -> int:
     # KV pool): fewer TLB misses while a decode step streams every weight. Read once, at torch's
     # first allocation, so set before torch is imported; an explicit THP_MEM_ALLOC_ENABLE wins.
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-    from layerline.rpc import parse_size
+    from layerline.shared.rpc import parse_size
 
     configure_logging()
     with reported_as_errors(ValueError):
         kv_memory = parse_size(args.kv_memory)
         max_message = parse_size(args.max_message_size)
     from layerline.model_store import ModelStoreError
-    from layerline.stage_worker.model_config import ConfigError
+    from layerline.shared.model_config import ConfigError
     from layerline.stage_worker.server import StageSettings, run_stage
     from layerline.stage_worker.weights import CheckpointError
 

@@ -1,7 +1,7 @@
 """The `layerline` command line: argument parsing and nothing else.
 
 Each command group registers its subcommands through one `add_*_commands(commands)` function
-listed in `COMMAND_GROUPS` (here and in `cli_servers`, `cli_cluster`); each subcommand's handler
+listed in `COMMAND_GROUPS` (here and in `servers`, `cluster`); each subcommand's handler
 takes the parsed arguments, imports the module that does the work only when it runs (so
 `layerline --help` and the client commands never load numpy or torch), and returns the exit
 code. A failure the user can act on is raised as `CommandError` and printed as `error: ...`
@@ -18,9 +18,9 @@ from typing import TypeAlias
 
 from layerline import __version__
 
-from .cli_cluster import add_cluster_commands
-from .cli_servers import add_coordinator_commands, add_stage_commands
-from .cli_support import (
+from .cluster import add_cluster_commands
+from .servers import add_coordinator_commands, add_stage_commands
+from .support import (
     EXIT_INTERRUPTED,
     EXIT_USER_ERROR,
     CommandError,
@@ -43,7 +43,7 @@ def _run_model_fetch(args: argparse.Namespace) -> int:
 
 
 def _run_model_import_gguf(args: argparse.Namespace) -> int:
-    from layerline.gguf_import import GGUFImportError, import_gguf
+    from layerline.model_store.gguf_import import GGUFImportError, import_gguf
 
     with reported_as_errors(GGUFImportError, OSError):
         out = import_gguf(args.file, args.out, overwrite=args.force, progress=not args.quiet)

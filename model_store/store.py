@@ -143,7 +143,7 @@ def _obtain_gguf(spec: KnownModel, workdir: Path) -> Path:
 
 def _install(spec: KnownModel, target: Path) -> None:
     """Fetch and convert `spec` into `target`, then write the marker. The caller holds the lock."""
-    from layerline.gguf_import import GGUFImportError, import_gguf
+    from layerline.model_store.gguf_import import GGUFImportError, import_gguf
 
     models = target.parent
     for pattern in (f".{target.name}.*.tmp", f".{target.name}.*.fetch"):  # left by crashed fetches

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, TypeAlias
 
 if TYPE_CHECKING:
-    from layerline.telemetry import TelemetrySettings
+    from layerline.shared.telemetry import TelemetrySettings
 
 Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 EXIT_USER_ERROR = 2
@@ -69,7 +69,7 @@ def add_telemetry_flags(p: argparse.ArgumentParser, *, metrics_port_help: str) -
 
 def telemetry_settings(args: argparse.Namespace, *, host: str) -> TelemetrySettings:
     """The settings of parsed telemetry flags; a bad value or combination is a CommandError."""
-    from layerline.telemetry import TelemetrySettings
+    from layerline.shared.telemetry import TelemetrySettings
 
     with reported_as_errors(ValueError):
         return TelemetrySettings(trace=args.trace, otlp_endpoint=args.otlp_endpoint,
