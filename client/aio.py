@@ -14,7 +14,6 @@ from typing import TypeVar
 
 import grpc
 import grpc.aio
-
 from layerline.protos.v1 import coordinator_pb2, coordinator_pb2_grpc
 from layerline.shared.rpc import channel_options
 
@@ -67,8 +66,15 @@ class AsyncClient:
     ) -> Completion:
         """Completes `prompt` and returns the whole answer."""
         sampling = wire.sampling_params(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-            repetition_penalty=repetition_penalty, seed=seed, stop=stop, logprobs=logprobs,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            seed=seed,
+            stop=stop,
+            logprobs=logprobs,
         )
         request = wire.generate_request(prompt, model, sampling)
         return wire.completion_from([c async for c in self._chunks(self._stub.Generate, request, timeout)])
@@ -93,8 +99,15 @@ class AsyncClient:
         finish_reason and usage. Arguments are checked now; the call starts at the first step.
         """
         sampling = wire.sampling_params(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-            repetition_penalty=repetition_penalty, seed=seed, stop=stop, logprobs=logprobs,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            seed=seed,
+            stop=stop,
+            logprobs=logprobs,
         )
         request = wire.generate_request(prompt, model, sampling)
         return self._chunks(self._stub.Generate, request, timeout)
@@ -117,8 +130,15 @@ class AsyncClient:
     ) -> Completion:
         """Answers a conversation (`[{"role": "user", "content": "Hi"}, ...]`) in one piece."""
         sampling = wire.sampling_params(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-            repetition_penalty=repetition_penalty, seed=seed, stop=stop, logprobs=logprobs,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            seed=seed,
+            stop=stop,
+            logprobs=logprobs,
         )
         request = wire.chat_request(messages, model, sampling)
         return wire.completion_from([c async for c in self._chunks(self._stub.Chat, request, timeout)])
@@ -141,8 +161,15 @@ class AsyncClient:
     ) -> AsyncIterator[Chunk]:
         """Answers a conversation, yielding the reply as it is generated (see `stream`)."""
         sampling = wire.sampling_params(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-            repetition_penalty=repetition_penalty, seed=seed, stop=stop, logprobs=logprobs,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            seed=seed,
+            stop=stop,
+            logprobs=logprobs,
         )
         request = wire.chat_request(messages, model, sampling)
         return self._chunks(self._stub.Chat, request, timeout)
@@ -190,9 +217,7 @@ class AsyncClient:
 
         return chunks()
 
-    async def _unary(
-        self, method: Callable[..., Awaitable[_Response]], request: object, timeout: float
-    ) -> _Response:
+    async def _unary(self, method: Callable[..., Awaitable[_Response]], request: object, timeout: float) -> _Response:
         deadline, metadata = wire.check_timeout(timeout), call_metadata()
         try:
             return await method(request, timeout=deadline, metadata=metadata)

@@ -13,7 +13,6 @@ from types import TracebackType
 from typing import Protocol, TypeVar
 
 import grpc
-
 from layerline.protos.v1 import coordinator_pb2, coordinator_pb2_grpc
 from layerline.shared.rpc import channel_options
 
@@ -72,8 +71,15 @@ class Client:
     ) -> Completion:
         """Completes `prompt` and returns the whole answer."""
         sampling = wire.sampling_params(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-            repetition_penalty=repetition_penalty, seed=seed, stop=stop, logprobs=logprobs,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            seed=seed,
+            stop=stop,
+            logprobs=logprobs,
         )
         request = wire.generate_request(prompt, model, sampling)
         return wire.completion_from(list(self._chunks(self._stub.Generate, request, timeout)))
@@ -98,8 +104,15 @@ class Client:
         finish_reason and usage. Arguments are checked now; the call starts at the first `next`.
         """
         sampling = wire.sampling_params(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-            repetition_penalty=repetition_penalty, seed=seed, stop=stop, logprobs=logprobs,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            seed=seed,
+            stop=stop,
+            logprobs=logprobs,
         )
         request = wire.generate_request(prompt, model, sampling)
         return self._chunks(self._stub.Generate, request, timeout)
@@ -122,8 +135,15 @@ class Client:
     ) -> Completion:
         """Answers a conversation (`[{"role": "user", "content": "Hi"}, ...]`) in one piece."""
         sampling = wire.sampling_params(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-            repetition_penalty=repetition_penalty, seed=seed, stop=stop, logprobs=logprobs,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            seed=seed,
+            stop=stop,
+            logprobs=logprobs,
         )
         request = wire.chat_request(messages, model, sampling)
         return wire.completion_from(list(self._chunks(self._stub.Chat, request, timeout)))
@@ -146,8 +166,15 @@ class Client:
     ) -> Iterator[Chunk]:
         """Answers a conversation, yielding the reply as it is generated (see `stream`)."""
         sampling = wire.sampling_params(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-            repetition_penalty=repetition_penalty, seed=seed, stop=stop, logprobs=logprobs,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            seed=seed,
+            stop=stop,
+            logprobs=logprobs,
         )
         request = wire.chat_request(messages, model, sampling)
         return self._chunks(self._stub.Chat, request, timeout)

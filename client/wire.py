@@ -16,7 +16,6 @@ from typing import Protocol
 
 import grpc
 from google.protobuf import wrappers_pb2
-
 from layerline.protos.v1 import common_pb2, coordinator_pb2, tensor_pb2
 
 from .errors import Internal
@@ -168,17 +167,34 @@ def cluster_from(response: coordinator_pb2.ClusterStatusResponse) -> ClusterStat
                 state=_enum_name(common_pb2.WorkerState, w.state).removeprefix("WORKER_STATE_"),
                 dtype=_enum_name(tensor_pb2.DType, w.dtype).lower(),
                 device=w.device,
-                load=WorkerLoad(w.in_flight_steps, w.active_sequences, w.kv_blocks_free, w.kv_blocks_total,
-                                entry.kv_blocks_cached, w.steps_computed, w.compute_seconds),
+                load=WorkerLoad(
+                    w.in_flight_steps,
+                    w.active_sequences,
+                    w.kv_blocks_free,
+                    w.kv_blocks_total,
+                    entry.kv_blocks_cached,
+                    w.steps_computed,
+                    w.compute_seconds,
+                ),
                 seconds_since_heartbeat=entry.seconds_since_heartbeat,
                 weights_bytes=w.weights_bytes,
             )
         )
-    chains = [ChainStatus(c.replica, c.model_id, list(c.addresses), c.active_sequences, c.cached_prefixes,
-                          c.cached_prefix_tokens) for c in response.chains]
+    chains = [
+        ChainStatus(
+            c.replica, c.model_id, list(c.addresses), c.active_sequences, c.cached_prefixes, c.cached_prefix_tokens
+        )
+        for c in response.chains
+    ]
     return ClusterStatus(
-        workers, chains, response.active_requests, response.queued_requests, response.failovers,
-        response.last_failover_gap_seconds, response.max_failover_gap_seconds, response.shared_prefix_tokens,
+        workers,
+        chains,
+        response.active_requests,
+        response.queued_requests,
+        response.failovers,
+        response.last_failover_gap_seconds,
+        response.max_failover_gap_seconds,
+        response.shared_prefix_tokens,
     )
 
 

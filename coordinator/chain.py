@@ -22,10 +22,9 @@ import logging
 import uuid
 
 import grpc
-from opentelemetry.trace import Tracer
-
 from layerline.protos.v1 import common_pb2, stage_pb2, stage_pb2_grpc
 from layerline.shared.rpc import channel_options
+from opentelemetry.trace import Tracer
 
 from .scheduler import Outcome, PlannedStep, StepFailed
 from .telemetry import StepSpans
@@ -60,8 +59,11 @@ class ChainClient:
 
     async def __call__(self, step: PlannedStep) -> list[Outcome]:
         header = stage_pb2.StepHeader(
-            step_id=next(self._ids), model_id=self.model_id, route=self.addresses[1:],
-            release_sequence_ids=step.release, alone=step.alone,
+            step_id=next(self._ids),
+            model_id=self.model_id,
+            route=self.addresses[1:],
+            release_sequence_ids=step.release,
+            alone=step.alone,
         )
         for s in step.slices:
             seq = header.sequences.add(
@@ -77,8 +79,9 @@ class ChainClient:
                     seq.history_token_ids.extend(s.seq.history)
         if self.tracer is None:
             return await self._exchange(header)
-        spans = StepSpans(self.tracer, step, [seq.trace_context for seq in header.sequences],
-                          chain=" -> ".join(self.addresses))
+        spans = StepSpans(
+            self.tracer, step, [seq.trace_context for seq in header.sequences], chain=" -> ".join(self.addresses)
+        )
         try:
             outcomes = await self._exchange(header)
         except StepFailed as err:
@@ -102,19 +105,23 @@ class ChainClient:
                 await self._stream().write(stage_pb2.StepFrame(header=header))
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as err:
                 self._pending.pop(header.step_id, None)
-                raise StepFailed(UNAVAILABLE, f"stage {self.addresses[0]} is unreachable: {err}",
-                                 failed_address=self.addresses[0]) from None
+                raise StepFailed(
+                    UNAVAILABLE, f"stage {self.addresses[0]} is unreachable: {err}", failed_address=self.addresses[0]
+                ) from None
         try:
             result = await asyncio.wait_for(future, STEP_TIMEOUT)
         except asyncio.TimeoutError:
             self._pending.pop(header.step_id, None)
-            raise StepFailed(DEADLINE_EXCEEDED, f"chain {' -> '.join(self.addresses)} did not answer a step "
-                             f"within {STEP_TIMEOUT:.0f}s") from None
+            raise StepFailed(
+                DEADLINE_EXCEEDED,
+                f"chain {' -> '.join(self.addresses)} did not answer a step within {STEP_TIMEOUT:.0f}s",
+            ) from None
         finally:
             replies.discard(header.step_id)  # answered, either way
         if result.error.code:
-            raise StepFailed(result.error.code, result.error.message,
-                             failed_address=result.failed_address or self.addresses[0])
+            raise StepFailed(
+                result.error.code, result.error.message, failed_address=result.failed_address or self.addresses[0]
+            )
         return [
             Outcome(
                 sequence_id=r.sequence_id,

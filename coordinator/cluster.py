@@ -95,9 +95,7 @@ class Cluster:
         if self.registry.version == self._version:
             return
         self._version = self.registry.version
-        wanted = build_chains(
-            self.registry.routable(), self.registry.num_layers, keep=[c.workers for c in self.chains]
-        )
+        wanted = build_chains(self.registry.routable(), self.registry.num_layers, keep=[c.workers for c in self.chains])
         old = {c.key: c for c in self.chains}
         chains: list[RunningChain] = []
         for i, workers in enumerate(wanted):
@@ -115,7 +113,9 @@ class Cluster:
 
     def _start_chain(self, replica: int, workers: list[Worker]) -> RunningChain:
         client = ChainClient(
-            [w.address for w in workers], model_id=workers[0].model_id, max_message_bytes=self.max_message_bytes,
+            [w.address for w in workers],
+            model_id=workers[0].model_id,
+            max_message_bytes=self.max_message_bytes,
             tracer=self.tracer,
         )
         holder: list[RunningChain] = []
@@ -210,9 +210,7 @@ class Cluster:
     def place(self, seq: Sequence) -> RunningChain:
         self.refresh()
         if not self.chains:
-            raise NoChainError(
-                f"no complete chain of workers covers layers [0, {self.registry.num_layers}) right now"
-            )
+            raise NoChainError(f"no complete chain of workers covers layers [0, {self.registry.num_layers}) right now")
         chain = min(self.chains, key=lambda c: (c.scheduler.load, c.replica))
         self._where[seq.sequence_id] = chain
         chain.scheduler.add(seq)

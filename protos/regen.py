@@ -49,9 +49,7 @@ def generate() -> dict[str, bytes]:
     if not protos:
         raise SystemExit(f"no .proto files in {PROTO_PACKAGE_DIR}")
     virtual = [f"{VIRTUAL_ROOT}/v1/{p.name}" for p in protos]
-    with_services = [
-        f"{VIRTUAL_ROOT}/v1/{p.name}" for p in protos if _SERVICE.search(p.read_text("utf-8"))
-    ]
+    with_services = [f"{VIRTUAL_ROOT}/v1/{p.name}" for p in protos if _SERVICE.search(p.read_text("utf-8"))]
     well_known = resources.files("grpc_tools") / "_proto"
     with tempfile.TemporaryDirectory(prefix="layerline-protoc-") as tmp:
         base = [
@@ -74,9 +72,7 @@ def stale_files(fresh: dict[str, bytes], out_dir: Path) -> list[str]:
     """Names of generated files in out_dir that are missing, different, or no longer generated."""
     committed = {p.name for p in out_dir.iterdir() if _is_generated(p)}
     stale = [
-        name
-        for name, content in fresh.items()
-        if name not in committed or (out_dir / name).read_bytes() != content
+        name for name, content in fresh.items() if name not in committed or (out_dir / name).read_bytes() != content
     ]
     stale.extend(name for name in committed if name not in fresh)
     return sorted(stale)
@@ -95,9 +91,7 @@ def write(fresh: dict[str, bytes], out_dir: Path) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m layerline.protos.regen", description=__doc__.split("\n\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m layerline.protos.regen", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--check",
         action="store_true",

@@ -54,7 +54,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
@@ -69,8 +69,7 @@ class ModelConfig:
         kv_heads = _positive_int(raw, "num_key_value_heads", default=heads)
         if heads % kv_heads:
             raise ConfigError(
-                f"config.json num_attention_heads = {heads} is not a multiple of "
-                f"num_key_value_heads = {kv_heads}"
+                f"config.json num_attention_heads = {heads} is not a multiple of num_key_value_heads = {kv_heads}"
             )
         head_dim = raw.get("head_dim") or hidden // heads
         if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
@@ -103,7 +102,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_checkpoint(cls, checkpoint: str | Path) -> "ModelConfig":
+    def from_checkpoint(cls, checkpoint: str | Path) -> ModelConfig:
         path = Path(checkpoint) / "config.json"
         try:
             raw = json.loads(path.read_text())
@@ -122,7 +121,7 @@ class LayerRange:
     end: int
 
     @classmethod
-    def parse(cls, text: str, *, num_layers: int | None = None) -> "LayerRange":
+    def parse(cls, text: str, *, num_layers: int | None = None) -> LayerRange:
         parts = text.split(":")
         if len(parts) != 2 or not all(p.strip().lstrip("-").isdigit() for p in parts):
             raise ConfigError(f"layer range {text!r} must be START:END, e.g. 0:15")
@@ -134,8 +133,7 @@ class LayerRange:
     def check(self, num_layers: int) -> None:
         if self.start < 0 or self.end > num_layers or self.start >= self.end:
             raise ConfigError(
-                f"layer range {self} is outside [0, {num_layers}) or empty: "
-                f"need 0 <= start < end <= {num_layers}"
+                f"layer range {self} is outside [0, {num_layers}) or empty: need 0 <= start < end <= {num_layers}"
             )
 
     @property
@@ -193,9 +191,7 @@ def _rope_config(raw: dict[str, Any]) -> RopeConfig:
 def _sliding_window(raw: dict[str, Any], model_type: str) -> int | None:
     if model_type == "qwen2":
         if raw.get("use_sliding_window"):
-            raise ConfigError(
-                "config.json use_sliding_window = true is not supported for qwen2; set it to false"
-            )
+            raise ConfigError("config.json use_sliding_window = true is not supported for qwen2; set it to false")
         return None
     if model_type != "mistral":
         return None

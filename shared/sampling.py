@@ -41,7 +41,7 @@ class SamplingParams:
             raise ValueError(f"logprobs = {self.logprobs} must be in [0, {MAX_LOGPROBS}]")
 
     @classmethod
-    def from_wire(cls, msg: common_pb2.SamplingParams) -> "SamplingParams":
+    def from_wire(cls, msg: common_pb2.SamplingParams) -> SamplingParams:
         """Read the wire message; absent fields take the proto's documented defaults."""
         return cls(
             temperature=msg.temperature if msg.HasField("temperature") else 1.0,

@@ -34,8 +34,29 @@ TRACE_MODES = ("off", "console", "otlp")
 SCOPE = "layerline"  # the instrumentation scope of every span and instrument
 
 # Histogram buckets: seconds from 0.5 ms to 80 s, bytes from 256 B to 1 GiB.
-SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
-                   0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+SECONDS_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 BYTES_BUCKETS = tuple(float(256 * 4**i) for i in range(12))
 
 
@@ -67,8 +88,7 @@ def collector_url(endpoint: str) -> str:
         port = None
     if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
         raise ValueError(
-            f"--otlp-endpoint {endpoint!r} is not HOST:PORT or http(s)://HOST:PORT "
-            "(http: plaintext, https: TLS)"
+            f"--otlp-endpoint {endpoint!r} is not HOST:PORT or http(s)://HOST:PORT (http: plaintext, https: TLS)"
         )
     return url
 
@@ -127,8 +147,11 @@ class Telemetry:
     def describe(self) -> str:
         """Where traces and metrics go, for the process's log."""
         s = self.settings
-        traces = {"off": "off", "console": "to stdout (JSON lines)",
-                  "otlp": f"OTLP/gRPC to {s.otlp_endpoint or 'the OTEL_EXPORTER_OTLP_* endpoint'}"}[s.trace]
+        traces = {
+            "off": "off",
+            "console": "to stdout (JSON lines)",
+            "otlp": f"OTLP/gRPC to {s.otlp_endpoint or 'the OTEL_EXPORTER_OTLP_* endpoint'}",
+        }[s.trace]
         metrics = f"http://{s.metrics_host}:{s.metrics_port}/metrics" if s.metrics_port else "off"
         return f"traces {traces}; metrics {metrics}"
 

@@ -23,7 +23,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-
 from layerline.protos.v1 import tensor_pb2
 
 if sys.byteorder != "little":
@@ -39,9 +38,7 @@ class CodecLimits:
 
     def __post_init__(self) -> None:
         if self.max_tensor_bytes < 0:
-            raise ValueError(
-                f"CodecLimits.max_tensor_bytes = {self.max_tensor_bytes}: must be >= 0"
-            )
+            raise ValueError(f"CodecLimits.max_tensor_bytes = {self.max_tensor_bytes}: must be >= 0")
         if self.max_dims < 0:
             raise ValueError(f"CodecLimits.max_dims = {self.max_dims}: must be >= 0")
 
@@ -89,9 +86,7 @@ def _validated_nbytes(
     """Checks dtype and shape against the rules and limits; returns (dtype, shape, byte count)."""
     dtype = dtype_from_wire(dtype_value, field=f"{field}.dtype")
     if len(shape) > limits.max_dims:
-        raise FrameLimitError(
-            f"{field}.shape has {len(shape)} dims: at most max_dims = {limits.max_dims} allowed"
-        )
+        raise FrameLimitError(f"{field}.shape has {len(shape)} dims: at most max_dims = {limits.max_dims} allowed")
     for i, dim in enumerate(shape):
         if dim < 0:
             raise FrameError(f"{field}.shape[{i}] = {dim}: dimensions must be >= 0")
@@ -160,9 +155,7 @@ def chunk(t: torch.Tensor, max_chunk_bytes: int) -> Iterator[tensor_pb2.TensorCh
         data=_to_bytes(u8[:max_chunk_bytes]),
     )
     for offset in range(max_chunk_bytes, total, max_chunk_bytes):
-        yield tensor_pb2.TensorChunk(
-            offset=offset, data=_to_bytes(u8[offset : offset + max_chunk_bytes])
-        )
+        yield tensor_pb2.TensorChunk(offset=offset, data=_to_bytes(u8[offset : offset + max_chunk_bytes]))
 
 
 class Reassembler:
@@ -210,18 +203,14 @@ class Reassembler:
         data = msg.data
         if msg.offset != self._received:
             rule = "the first chunk" if self._received == 0 else "chunks contiguous and in order"
-            raise FrameError(
-                f"tensor_chunk.offset = {msg.offset}: expected {self._received} ({rule})"
-            )
+            raise FrameError(f"tensor_chunk.offset = {msg.offset}: expected {self._received} ({rule})")
         if self._received + len(data) > self._total:
             raise FrameError(
-                f"tensor_chunk.data overruns total_bytes = {self._total}:"
-                f" offset {msg.offset} + {len(data)} bytes"
+                f"tensor_chunk.data overruns total_bytes = {self._total}: offset {msg.offset} + {len(data)} bytes"
             )
         if not data and self._total > 0:
             raise FrameError(
-                f"tensor_chunk.data is empty at offset {msg.offset}: only a zero-byte tensor"
-                " may have an empty chunk"
+                f"tensor_chunk.data is empty at offset {msg.offset}: only a zero-byte tensor may have an empty chunk"
             )
         self._parts.append(data)
         self._received += len(data)
@@ -233,9 +222,7 @@ class Reassembler:
         return _tensor_from(buf, dtype, shape)
 
     def _start(self, msg: tensor_pb2.TensorChunk) -> None:
-        dtype, shape, nbytes = _validated_nbytes(
-            msg.dtype, msg.shape, limits=self._limits, field="tensor_chunk"
-        )
+        dtype, shape, nbytes = _validated_nbytes(msg.dtype, msg.shape, limits=self._limits, field="tensor_chunk")
         if msg.total_bytes != nbytes:
             raise FrameError(
                 f"tensor_chunk.total_bytes = {msg.total_bytes}: shape {list(shape)} of"

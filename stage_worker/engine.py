@@ -16,13 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from layerline.shared.sampling import SamplingParams
 
 from .kv_cache import KVCacheExhausted, PagedKVCache
 from .llama import StageModel
-from layerline.shared.sampling import SamplingParams
-
 from .sampler import Draw, sample
-
 
 SMALL_STEP_TOKENS = 4  # steps of at most this many tokens run on one CPU thread
 LARGE_STEP_TOKENS = 64  # steps of this many tokens or more (prompt chunks) run on `prefill_threads`
@@ -110,8 +108,9 @@ class StageEngine:
             raise out.errors[0].error
 
     @torch.inference_mode()
-    def run(self, seqs: Sequence[SequenceStep], hidden: torch.Tensor | None = None, *,
-            alone: bool = True) -> StepOutput:
+    def run(
+        self, seqs: Sequence[SequenceStep], hidden: torch.Tensor | None = None, *, alone: bool = True
+    ) -> StepOutput:
         """Run one micro-batch. `hidden` is [sum of tokens, hidden_size] on later stages.
 
         `alone`: no other step of the chain is in flight, so a large one may take `prefill_threads`.
@@ -160,7 +159,9 @@ class StageEngine:
         if not out.kept:
             return out
         if self.is_first:
-            inputs = torch.tensor([t for s in out.kept for t in s.token_ids], dtype=torch.long, device=self.cache.device)
+            inputs = torch.tensor(
+                [t for s in out.kept for t in s.token_ids], dtype=torch.long, device=self.cache.device
+            )
         else:
             assert hidden is not None
             if len(out.kept) < len(seqs):  # only the rows of the sequences that run
@@ -190,9 +191,7 @@ class StageEngine:
     def _check_step(self, seqs: Sequence[SequenceStep], hidden: torch.Tensor | None) -> None:
         total = sum(s.num_tokens for s in seqs)
         if total > self.max_step_tokens:
-            raise StepInputError(
-                f"step carries {total} tokens, above this stage's limit of {self.max_step_tokens}"
-            )
+            raise StepInputError(f"step carries {total} tokens, above this stage's limit of {self.max_step_tokens}")
         if self.is_first:
             if hidden is not None:
                 raise StepInputError("the first stage takes token ids, not hidden states")
@@ -263,6 +262,4 @@ class StageEngine:
             except ValueError as err:
                 raise StepInputError(f"sequence {sid!r} sampling {err}") from None
             if any(not 0 <= t < self.config.vocab_size for t in seq.history):
-                raise StepInputError(
-                    f"sequence {sid!r} history holds a token id outside [0, {self.config.vocab_size})"
-                )
+                raise StepInputError(f"sequence {sid!r} history holds a token id outside [0, {self.config.vocab_size})")

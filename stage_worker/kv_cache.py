@@ -22,8 +22,7 @@ class KVCacheExhausted(RuntimeError):
 
     def __init__(self, sequence_id: str, *, needed_blocks: int, free_blocks: int) -> None:
         super().__init__(
-            f"KV cache full: sequence {sequence_id!r} needs {needed_blocks} more block(s), "
-            f"{free_blocks} free"
+            f"KV cache full: sequence {sequence_id!r} needs {needed_blocks} more block(s), {free_blocks} free"
         )
         self.sequence_id = sequence_id
         self.needed_blocks = needed_blocks
@@ -51,14 +50,11 @@ class CacheShape:
         head_dim: int,
         num_layers: int,
         dtype: torch.dtype,
-    ) -> "CacheShape":
-        one = cls(1, block_size, num_kv_heads, head_dim).bytes_per_block(
-            num_layers=num_layers, dtype=dtype
-        )
+    ) -> CacheShape:
+        one = cls(1, block_size, num_kv_heads, head_dim).bytes_per_block(num_layers=num_layers, dtype=dtype)
         if budget_bytes < one:
             raise ValueError(
-                f"KV memory budget of {budget_bytes} bytes is below one block ({one} bytes); "
-                "raise --kv-memory"
+                f"KV memory budget of {budget_bytes} bytes is below one block ({one} bytes); raise --kv-memory"
             )
         return cls(budget_bytes // one, block_size, num_kv_heads, head_dim)
 
@@ -236,9 +232,7 @@ def _slots(table: list[int], block_size: int, positions: range) -> list[int]:
     return [table[p // block_size] * block_size + p % block_size for p in positions]
 
 
-def _prefill_span(
-    row: int, start: int, end: int, slots: list[int], sliding_window: int | None
-) -> PrefillSpan:
+def _prefill_span(row: int, start: int, end: int, slots: list[int], sliding_window: int | None) -> PrefillSpan:
     n = end - start
     mask = None
     if start > 0 or (sliding_window is not None and end > sliding_window):

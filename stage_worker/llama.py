@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from layerline.shared.model_config import LayerRange, ModelConfig, RopeConfig
 from torch import nn
 
 from .kv_cache import PagedKVCache, StepLayout
-from layerline.shared.model_config import LayerRange, ModelConfig, RopeConfig
 from .parallel import Shards, TensorParallel, shards_for
 
 
@@ -345,11 +345,10 @@ class StageModel(nn.Module):
         self.shards = shards = shards_for(config, tp)
         self.embed_tokens = (
             VocabParallelEmbedding(shards.vocab_per_rank, config.hidden_size, start=shards.vocab_start, tp=tp)
-            if layers.is_first else None
+            if layers.is_first
+            else None
         )
-        self.layers = nn.ModuleDict(
-            {str(i): DecoderLayer(config, layer_id=i, shards=shards, tp=tp) for i in layers}
-        )
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config, layer_id=i, shards=shards, tp=tp) for i in layers})
         last = layers.is_last(config.num_layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else None
         self.lm_head = LMHead(config.hidden_size, shards.vocab_per_rank) if last else None

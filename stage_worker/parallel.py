@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
 from layerline.shared.model_config import ConfigError, ModelConfig
 
 

@@ -17,7 +17,6 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-
 from layerline.shared.sampling import SamplingParams
 
 from .engine import SequenceStep, StageEngine, StepOutput
@@ -42,7 +41,9 @@ class _Wire:
     def ints(self, values: Sequence[int] = ()) -> list[int]:
         size = torch.tensor([len(values)], dtype=torch.int64)
         dist.broadcast(size, 0, group=self.group)
-        data = torch.tensor(list(values), dtype=torch.int64) if self.leader else torch.empty(int(size), dtype=torch.int64)
+        data = (
+            torch.tensor(list(values), dtype=torch.int64) if self.leader else torch.empty(int(size), dtype=torch.int64)
+        )
         if int(size):
             dist.broadcast(data, 0, group=self.group)
         return data.tolist()
@@ -50,7 +51,11 @@ class _Wire:
     def floats(self, values: Sequence[float] = ()) -> list[float]:
         size = torch.tensor([len(values)], dtype=torch.int64)
         dist.broadcast(size, 0, group=self.group)
-        data = torch.tensor(list(values), dtype=torch.float64) if self.leader else torch.empty(int(size), dtype=torch.float64)
+        data = (
+            torch.tensor(list(values), dtype=torch.float64)
+            if self.leader
+            else torch.empty(int(size), dtype=torch.float64)
+        )
         if int(size):
             dist.broadcast(data, 0, group=self.group)
         return data.tolist()
@@ -61,7 +66,7 @@ class _Wire:
         blob = self.ints(list(b"".join(encoded)))
         out, at = [], 0
         for n in lengths:
-            out.append(bytes(blob[at:at + n]).decode())
+            out.append(bytes(blob[at : at + n]).decode())
             at += n
         return out
 
@@ -93,27 +98,41 @@ def _steps_in(wire: _Wire) -> list[SequenceStep]:
     floats = wire.floats()
     seqs, at, fat = [], 0, 0
     for i, sid in enumerate(ids):
-        n_pos, n_tok, n_hist, sampled = shape[4 * i: 4 * i + 4]
-        positions = tuple(flat[at:at + n_pos])
-        tokens = tuple(flat[at + n_pos:at + n_pos + n_tok])
-        history = tuple(flat[at + n_pos + n_tok:at + n_pos + n_tok + n_hist])
+        n_pos, n_tok, n_hist, sampled = shape[4 * i : 4 * i + 4]
+        positions = tuple(flat[at : at + n_pos])
+        tokens = tuple(flat[at + n_pos : at + n_pos + n_tok])
+        history = tuple(flat[at + n_pos + n_tok : at + n_pos + n_tok + n_hist])
         at += n_pos + n_tok + n_hist
         sampling = None
         if sampled:
-            sampling = _sampling_from(floats[fat:fat + 7])
+            sampling = _sampling_from(floats[fat : fat + 7])
             fat += 7
         seqs.append(SequenceStep(sid, positions, tokens, sampling, history, prefix_from[i]))
     return seqs
 
 
 def _sampling_floats(p: SamplingParams) -> list[float]:
-    return [p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty,
-            -1 if p.seed is None else p.seed, -1 if p.logprobs is None else p.logprobs]
+    return [
+        p.temperature,
+        p.top_k,
+        p.top_p,
+        p.min_p,
+        p.repetition_penalty,
+        -1 if p.seed is None else p.seed,
+        -1 if p.logprobs is None else p.logprobs,
+    ]
 
 
 def _sampling_from(v: list[float]) -> SamplingParams:
-    return SamplingParams(temperature=v[0], top_k=int(v[1]), top_p=v[2], min_p=v[3], repetition_penalty=v[4],
-                          seed=None if v[5] < 0 else int(v[5]), logprobs=None if v[6] < 0 else int(v[6]))
+    return SamplingParams(
+        temperature=v[0],
+        top_k=int(v[1]),
+        top_p=v[2],
+        min_p=v[3],
+        repetition_penalty=v[4],
+        seed=None if v[5] < 0 else int(v[5]),
+        logprobs=None if v[6] < 0 else int(v[6]),
+    )
 
 
 class LeadingEngine:
@@ -132,8 +151,9 @@ class LeadingEngine:
         except RuntimeError as err:
             raise RankFailed(f"a rank of this stage did not answer: {err}") from None
 
-    def run(self, seqs: Sequence[SequenceStep], hidden: torch.Tensor | None = None, *,
-            alone: bool = True) -> StepOutput:
+    def run(
+        self, seqs: Sequence[SequenceStep], hidden: torch.Tensor | None = None, *, alone: bool = True
+    ) -> StepOutput:
         try:
             self._op(RUN)
             _steps_out(self._wire, seqs)

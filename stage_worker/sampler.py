@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-
 from layerline.shared.sampling import SamplingParams
+
 
 @dataclass(frozen=True)
 class Draw:

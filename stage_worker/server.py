@@ -24,20 +24,19 @@ from pathlib import Path
 import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
 from layerline.model_store import resolve_model
 from layerline.protos.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, stage_pb2_grpc
+from layerline.shared.model_config import LayerRange, ModelConfig
 from layerline.shared.rpc import DEFAULT_MAX_MESSAGE_BYTES, channel_options, listen, server_options
 from layerline.shared.telemetry import Telemetry, TelemetrySettings
 
-from .codec import CodecLimits, dtype_to_wire
 from . import tp_group
+from .codec import CodecLimits, dtype_to_wire
 from .engine import StageEngine
-from .parallel import TensorParallel
-from .ranks import LeadingEngine, RankFailed, follow
 from .hops import NextHops
 from .kv_cache import CacheShape, PagedKVCache
-from layerline.shared.model_config import LayerRange, ModelConfig
+from .parallel import TensorParallel
+from .ranks import LeadingEngine, RankFailed, follow
 from .servicer import StageServicer, StreamLimits
 from .step_telemetry import StageTelemetry
 from .weights import load_stage, model_id
@@ -111,7 +110,12 @@ class StageWorker:
         """Load this rank's shards and preallocate its KV pool (the same block count on every rank)."""
         start = time.perf_counter()
         model = load_stage(
-            self.checkpoint, self.layers, dtype=self.dtype, device=self.settings.device, config=self.config, tp=tp,
+            self.checkpoint,
+            self.layers,
+            dtype=self.dtype,
+            device=self.settings.device,
+            config=self.config,
+            tp=tp,
             weight_layout=self.settings.weight_layout,
         )
         shape = CacheShape.for_budget(
@@ -126,11 +130,24 @@ class StageWorker:
         params = sum(p.numel() for p in model.parameters())
         log.info(
             "rank %d/%d loaded layers %s of %s (%s params, %s, %s) in %.1fs; KV pool %d blocks x %d tokens",
-            tp.rank, tp.size, self.layers, self.checkpoint, f"{params:,}", self.settings.dtype,
-            self.settings.device, time.perf_counter() - start, shape.num_blocks, shape.block_size,
+            tp.rank,
+            tp.size,
+            self.layers,
+            self.checkpoint,
+            f"{params:,}",
+            self.settings.dtype,
+            self.settings.device,
+            time.perf_counter() - start,
+            shape.num_blocks,
+            shape.block_size,
         )
-        return StageEngine(model, cache, max_step_tokens=self.settings.max_step_tokens,
-                           prefill_threads=self.settings.prefill_threads, samples=tp.rank == 0)
+        return StageEngine(
+            model,
+            cache,
+            max_step_tokens=self.settings.max_step_tokens,
+            prefill_threads=self.settings.prefill_threads,
+            samples=tp.rank == 0,
+        )
 
     def load(self) -> None:
         s = self.settings
@@ -206,7 +223,8 @@ class StageWorker:
             hops=hops,
             worker_info=self.info,
             telemetry=StageTelemetry.of(
-                telemetry, layers=layers,
+                telemetry,
+                layers=layers,
                 kv_blocks=lambda: (engine.cache.blocks_total - engine.cache.blocks_free, engine.cache.blocks_free),
             ),
         )
@@ -264,7 +282,6 @@ class StageWorker:
                 stop.set()
                 return
 
-
     async def _membership(self, coordinator: str) -> None:
         """Register with the coordinator and heartbeat; register again whenever it forgets us."""
         async with grpc.aio.insecure_channel(coordinator, options=channel_options()) as channel:
@@ -307,7 +324,9 @@ class StageWorker:
         async with grpc.aio.insecure_channel(coordinator) as channel:
             try:
                 await coordinator_pb2_grpc.RegistryStub(channel).Deregister(
-                    coordinator_pb2.DeregisterRequest(address=self.address, instance_id=self.instance_id, reason=reason),
+                    coordinator_pb2.DeregisterRequest(
+                        address=self.address, instance_id=self.instance_id, reason=reason
+                    ),
                     timeout=2,
                 )
             except grpc.aio.AioRpcError as err:
@@ -359,8 +378,13 @@ def run_follower(settings: StageSettings) -> int:
         torch.set_num_threads(settings.threads)
     worker = StageWorker(settings)
     assert settings.tp_master is not None
-    tp = tp_group.join_group(rank=settings.tp_rank, size=settings.tp, master=settings.tp_master,
-                             timeout_s=settings.tp_timeout, device=settings.device)
+    tp = tp_group.join_group(
+        rank=settings.tp_rank,
+        size=settings.tp,
+        master=settings.tp_master,
+        timeout_s=settings.tp_timeout,
+        device=settings.device,
+    )
     engine = worker.build_engine(tp)
     try:
         follow(engine, tp.group)

@@ -28,7 +28,6 @@ from typing import TypeVar
 
 import grpc
 import torch
-
 from layerline.protos.v1 import common_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
 from layerline.shared.sampling import SamplingParams
 
@@ -116,8 +115,12 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
 
     def _start(self, step: _Step) -> asyncio.Future[StepOutput]:
         """Begin computing a step: inline if it is small and alone here, else on the thread."""
-        if not (self.inline_small_steps and self.queued == 0 and self.in_flight == 1
-                and sum(s.num_tokens for s in step.seqs) <= SMALL_STEP_TOKENS):
+        if not (
+            self.inline_small_steps
+            and self.queued == 0
+            and self.in_flight == 1
+            and sum(s.num_tokens for s in step.seqs) <= SMALL_STEP_TOKENS
+        ):
             return self.on_compute_thread(lambda: self._run(step))
         future: asyncio.Future[StepOutput] = asyncio.get_running_loop().create_future()
         try:
@@ -157,8 +160,7 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
 
         async def read() -> None:
             try:
-                async for step in self._steps(request_iterator, answer_error=answer, received=received,
-                                              traced=traced):
+                async for step in self._steps(request_iterator, answer_error=answer, received=received, traced=traced):
                     if step.times is not None:
                         step.times.ready()
                     future = self._start(step)
@@ -176,8 +178,11 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
                     answer(stage_pb2.StepResult(step_id=step.header.step_id, error=status_of(err)))
                     continue
                 except RankFailed as err:  # this stage fails stop; the coordinator moves the work
-                    answer(stage_pb2.StepResult(step_id=step.header.step_id, error=status_of(err),
-                                                failed_address=self.worker_info().address))
+                    answer(
+                        stage_pb2.StepResult(
+                            step_id=step.header.step_id, error=status_of(err), failed_address=self.worker_info().address
+                        )
+                    )
                     continue
                 except Exception as err:  # a defect: say so on the step, keep the stream serving
                     log.exception("step %d failed", step.header.step_id)
@@ -214,7 +219,9 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
             kind = frame.WhichOneof("frame")
             if kind == "header":
                 if current is not None:
-                    answer_error(_error_result(current, "a new header arrived before the step's hidden states were complete"))
+                    answer_error(
+                        _error_result(current, "a new header arrived before the step's hidden states were complete")
+                    )
                     reassembler.reset()
                 current, failed_id = None, None
                 received()
@@ -226,7 +233,9 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
                     continue
                 if traced is not None:
                     current.times = traced.received(
-                        frame.header.step_id, current.seqs, [s.trace_context for s in frame.header.sequences],
+                        frame.header.step_id,
+                        current.seqs,
+                        [s.trace_context for s in frame.header.sequences],
                         header_bytes=frame.header.ByteSize(),
                     )
                 if frame.header.HasField("hidden"):  # the whole tensor, in the header
@@ -268,9 +277,7 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
 
     def _decode_header(self, header: stage_pb2.StepHeader) -> list[SequenceStep]:
         if header.model_id and header.model_id != self.model_id:
-            raise StepInputError(
-                f"step model_id {header.model_id!r} differs from this stage's {self.model_id!r}"
-            )
+            raise StepInputError(f"step model_id {header.model_id!r} differs from this stage's {self.model_id!r}")
         if len(header.sequences) > self.limits.max_sequences:
             raise StepInputError(
                 f"step carries {len(header.sequences)} sequences, above the limit of {self.limits.max_sequences}"
@@ -295,9 +302,7 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
             self.steps_computed += 1
             return out
 
-    async def _deliver(
-        self, step: _Step, out: StepOutput, answer: Callable[[stage_pb2.StepResult], None]
-    ) -> None:
+    async def _deliver(self, step: _Step, out: StepOutput, answer: Callable[[stage_pb2.StepResult], None]) -> None:
         order = [s.sequence_id for s in step.seqs]
         local = {e.sequence_id: e for e in out.errors}
         if self.engine.is_last:
@@ -331,8 +336,13 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
             frames = [stage_pb2.StepFrame(hidden_chunk=c) for c in chunks]
         if step.times is not None:  # each request's hop span goes into its carrier; frames are counted
             carriers = ((s.sequence_id, s.trace_context) for s in header.sequences)
-            frames = step.times.forwarding(step.header.route[0], carriers, frames, header_size=header.ByteSize,
-                                           serialize_seconds=time.perf_counter() - started)
+            frames = step.times.forwarding(
+                step.header.route[0],
+                carriers,
+                frames,
+                header_size=header.ByteSize,
+                serialize_seconds=time.perf_counter() - started,
+            )
 
         def deliver(result: stage_pb2.StepResult) -> None:
             if result.replied or (result.HasField("error") and result.error.code):
@@ -361,8 +371,10 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
     ) -> AsyncIterator[stage_pb2.StepResult]:
         name = request.subscriber
         if not name or len(name.encode()) > MAX_SUBSCRIBER_BYTES:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"subscriber must be 1 to {MAX_SUBSCRIBER_BYTES} bytes, got {len(name.encode())}")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"subscriber must be 1 to {MAX_SUBSCRIBER_BYTES} bytes, got {len(name.encode())}",
+            )
         queue: asyncio.Queue[stage_pb2.StepResult] = asyncio.Queue()
         self._subscribers[name] = queue  # a reconnecting subscriber replaces its old stream
         try:
@@ -376,16 +388,12 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
     async def Release(
         self, request: stage_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> stage_pb2.ReleaseResponse:
-        released = await self.on_compute_thread(
-            lambda: sum(self.engine.release(s) for s in request.sequence_ids)
-        )
+        released = await self.on_compute_thread(lambda: sum(self.engine.release(s) for s in request.sequence_ids))
         if self.telemetry is not None:
             self.telemetry.released()
         return stage_pb2.ReleaseResponse(released=released, kv_blocks_free=self.engine.cache.blocks_free)
 
-    async def Info(
-        self, request: stage_pb2.InfoRequest, context: grpc.aio.ServicerContext
-    ) -> stage_pb2.InfoResponse:
+    async def Info(self, request: stage_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> stage_pb2.InfoResponse:
         seconds = 0.0
         if request.probe:
             start = time.perf_counter()
@@ -431,9 +439,7 @@ def _draw_results(step: _Step, out: StepOutput) -> dict[str, stage_pb2.SequenceR
             result.sampled_token_id = draw.token_id
             if draw.logprob is not None:
                 result.logprob = draw.logprob
-                result.top_logprobs.extend(
-                    common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in draw.top
-                )
+                result.top_logprobs.extend(common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in draw.top)
         results[seq.sequence_id] = result
     return results
 
@@ -464,6 +470,4 @@ def _answered(traced: StreamTelemetry, result: stage_pb2.StepResult) -> None:
 
 def _error_result(step: _Step | None, message: str) -> stage_pb2.StepResult:
     step_id = step.header.step_id if step is not None else 0
-    return stage_pb2.StepResult(
-        step_id=step_id, error=status_of(FrameError(message))
-    )
+    return stage_pb2.StepResult(step_id=step_id, error=status_of(FrameError(message)))

@@ -24,11 +24,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMappin
 from contextlib import contextmanager
 from typing import Protocol, TypeVar
 
+from layerline.shared.telemetry import BYTES_BUCKETS, SECONDS_BUCKETS, Telemetry
 from opentelemetry import propagate
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_context
-
-from layerline.shared.telemetry import BYTES_BUCKETS, SECONDS_BUCKETS, Telemetry
 
 from .engine import SequenceStep
 
@@ -106,40 +105,71 @@ class StageTelemetry:
         if meter is None:
             return
         self.step_seconds = meter.create_histogram(
-            "layerline_stage_step_seconds", unit="s", explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
-            description="Compute time of one step on this stage")
+            "layerline_stage_step_seconds",
+            unit="s",
+            explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
+            description="Compute time of one step on this stage",
+        )
         self.queue_seconds = meter.create_histogram(
-            "layerline_stage_queue_seconds", unit="s", explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
-            description="Time a received step waited for this stage's compute thread")
+            "layerline_stage_queue_seconds",
+            unit="s",
+            explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
+            description="Time a received step waited for this stage's compute thread",
+        )
         self.hop_bytes = meter.create_histogram(
-            "layerline_hop_bytes", unit="By", explicit_bucket_boundaries_advisory=BYTES_BUCKETS,
+            "layerline_hop_bytes",
+            unit="By",
+            explicit_bucket_boundaries_advisory=BYTES_BUCKETS,
             description="Bytes of one step's frames received from the hop before (direction=received) "
-                        "or sent to the next hop (direction=sent)")
+            "or sent to the next hop (direction=sent)",
+        )
         self.hop_seconds = meter.create_histogram(
-            "layerline_hop_transfer_seconds", unit="s", explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
-            description="Time to write one step's frames to the next hop, serialization excluded")
+            "layerline_hop_transfer_seconds",
+            unit="s",
+            explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
+            description="Time to write one step's frames to the next hop, serialization excluded",
+        )
         labels = {"layers": layers}
 
         def gauge(read: Callable[[], float]) -> list[Callable[[CallbackOptions], Iterable[Observation]]]:
             return [lambda options: [Observation(read(), labels)]]
 
-        meter.create_observable_gauge("layerline_kv_blocks_used", gauge(lambda: kv_blocks()[0]), unit="{block}",
-                                      description="KV cache blocks holding sequences")
-        meter.create_observable_gauge("layerline_kv_blocks_free", gauge(lambda: kv_blocks()[1]), unit="{block}",
-                                      description="KV cache blocks free")
         meter.create_observable_gauge(
-            "layerline_pipeline_bubble_fraction", gauge(self.clock.fraction), unit="1",
+            "layerline_kv_blocks_used",
+            gauge(lambda: kv_blocks()[0]),
+            unit="{block}",
+            description="KV cache blocks holding sequences",
+        )
+        meter.create_observable_gauge(
+            "layerline_kv_blocks_free",
+            gauge(lambda: kv_blocks()[1]),
+            unit="{block}",
+            description="KV cache blocks free",
+        )
+        meter.create_observable_gauge(
+            "layerline_pipeline_bubble_fraction",
+            gauge(self.clock.fraction),
+            unit="1",
             description="Share of the time this stage held live sequences but computed nothing, "
-                        "since the previous scrape")
+            "since the previous scrape",
+        )
         meter.create_observable_counter(
-            "layerline_stage_active_seconds", gauge(lambda: self.clock.totals()[0]), unit="s",
-            description="Time this stage held live sequences")
+            "layerline_stage_active_seconds",
+            gauge(lambda: self.clock.totals()[0]),
+            unit="s",
+            description="Time this stage held live sequences",
+        )
         meter.create_observable_counter(
-            "layerline_stage_bubble_seconds", gauge(lambda: self.clock.totals()[1]), unit="s",
-            description="Time this stage held live sequences but computed nothing")
+            "layerline_stage_bubble_seconds",
+            gauge(lambda: self.clock.totals()[1]),
+            unit="s",
+            description="Time this stage held live sequences but computed nothing",
+        )
 
     @classmethod
-    def of(cls, telemetry: Telemetry, *, layers: str, kv_blocks: Callable[[], tuple[int, int]]) -> StageTelemetry | None:
+    def of(
+        cls, telemetry: Telemetry, *, layers: str, kv_blocks: Callable[[], tuple[int, int]]
+    ) -> StageTelemetry | None:
         """The stage's telemetry, or None when both tracing and metrics are off."""
         if telemetry.tracer is None and telemetry.meter is None:
             return None
@@ -160,8 +190,9 @@ class StreamTelemetry:
         self.stage = stage
         self._open: dict[int, StepTimes] = {}
 
-    def received(self, step_id: int, seqs: Sequence[SequenceStep], carriers: Sequence[Mapping[str, str]], *,
-                 header_bytes: int) -> StepTimes:
+    def received(
+        self, step_id: int, seqs: Sequence[SequenceStep], carriers: Sequence[Mapping[str, str]], *, header_bytes: int
+    ) -> StepTimes:
         """A step's header arrived; `carriers[i]` is the trace carrier of `seqs[i]`."""
         times = self._open[step_id] = StepTimes(self.stage, seqs, carriers, header_bytes=header_bytes)
         return times
@@ -182,8 +213,14 @@ class StreamTelemetry:
 class StepTimes:
     """One step through this stage (perf_counter seconds) and its requests' hop spans."""
 
-    def __init__(self, stage: StageTelemetry, seqs: Sequence[SequenceStep], carriers: Sequence[Mapping[str, str]],
-                 *, header_bytes: int) -> None:
+    def __init__(
+        self,
+        stage: StageTelemetry,
+        seqs: Sequence[SequenceStep],
+        carriers: Sequence[Mapping[str, str]],
+        *,
+        header_bytes: int,
+    ) -> None:
         self.stage = stage
         self.arrived = time.perf_counter()
         self.ready_at = self.arrived  # all of its hidden states are in
@@ -206,7 +243,10 @@ class StepTimes:
             if not carrier:
                 continue
             span = stage.tracer.start_span(
-                stage.span_name, context=propagate.extract(carrier), kind=SpanKind.SERVER, start_time=start,
+                stage.span_name,
+                context=propagate.extract(carrier),
+                kind=SpanKind.SERVER,
+                start_time=start,
                 attributes={
                     "layerline.stage.layers": stage.layers,
                     "layerline.sequence.tokens": seq.num_tokens,
@@ -243,9 +283,15 @@ class StepTimes:
                 stage.step_seconds.record(self.compute_ended - self.compute_started, labels)
                 stage.queue_seconds.record(self.compute_started - self.ready_at, labels)
 
-    def forwarding(self, next_hop: str, carriers: Iterable[tuple[str, MutableMapping[str, str]]],
-                   frames: Iterable[F], *, header_size: Callable[[], int],
-                   serialize_seconds: float = 0.0) -> Iterator[F]:
+    def forwarding(
+        self,
+        next_hop: str,
+        carriers: Iterable[tuple[str, MutableMapping[str, str]]],
+        frames: Iterable[F],
+        *,
+        header_size: Callable[[], int],
+        serialize_seconds: float = 0.0,
+    ) -> Iterator[F]:
         """The step is about to go to `next_hop`: each request's carrier gets its span here.
 
         `carriers` are the forwarded step's (sequence id, carrier) pairs; `serialize_seconds`

@@ -48,7 +48,10 @@ def join_group(*, rank: int, size: int, master: str, timeout_s: float, device: s
     """Join the stage's process group; a collective that waits longer than `timeout_s` raises."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(
-        backend, init_method=f"tcp://{master}", rank=rank, world_size=size,
+        backend,
+        init_method=f"tcp://{master}",
+        rank=rank,
+        world_size=size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     return TensorParallel(rank=rank, size=size, group=dist.group.WORLD)

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from layerline.shared.model_config import ConfigError, LayerRange, ModelConfig
 from safetensors import safe_open
 
 from .llama import WEIGHT_LAYOUTS, LMHead, StageModel, can_pack, rope_inv_freq
-from layerline.shared.model_config import ConfigError, LayerRange, ModelConfig
 from .parallel import Shards, TensorParallel
 
 SINGLE_FILE = "model.safetensors"
@@ -137,8 +137,7 @@ def load_stage(
         if (source, piece) not in loaded:
             if reader.shape(source) != expected:
                 raise CheckpointError(
-                    f"checkpoint tensor {source!r} has shape {reader.shape(source)}, "
-                    f"the config needs {expected}"
+                    f"checkpoint tensor {source!r} has shape {reader.shape(source)}, the config needs {expected}"
                 )
             tensor = reader.get(source, piece)  # type: ignore[arg-type]
             if param in ("embed_tokens.weight", "lm_head.weight"):  # pad the vocabulary rows
@@ -152,9 +151,7 @@ def load_stage(
     return model.eval()
 
 
-def _piece(
-    config: ModelConfig, shards: Shards, tp: TensorParallel, param: str
-) -> tuple[int, int, int] | None | str:
+def _piece(config: ModelConfig, shards: Shards, tp: TensorParallel, param: str) -> tuple[int, int, int] | str | None:
     """This rank's (dim, start, end) of a checkpoint tensor; None for all of it; "zeros"."""
     if tp.size == 1:
         return None
@@ -164,9 +161,19 @@ def _piece(
     heads = (shards.head_start * d, (shards.head_start + shards.num_heads) * d)
     kv = (shards.kv_head_start * d, (shards.kv_head_start + shards.num_kv_heads) * d)
     width = (tp.rank * inter, (tp.rank + 1) * inter)
-    vocab = (min(shards.vocab_start, config.vocab_size), min(shards.vocab_start + shards.vocab_per_rank, config.vocab_size))
-    column = {"q_proj": heads, "k_proj": kv, "v_proj": kv, "gate_proj": width, "up_proj": width,
-              "embed_tokens": vocab, "lm_head": vocab}  # rows of the [out, in] tensor
+    vocab = (
+        min(shards.vocab_start, config.vocab_size),
+        min(shards.vocab_start + shards.vocab_per_rank, config.vocab_size),
+    )
+    column = {
+        "q_proj": heads,
+        "k_proj": kv,
+        "v_proj": kv,
+        "gate_proj": width,
+        "up_proj": width,
+        "embed_tokens": vocab,
+        "lm_head": vocab,
+    }  # rows of the [out, in] tensor
     row = {"o_proj": heads, "down_proj": width}  # columns of the [out, in] tensor
     if kind in column:
         return (0, *column[kind])
@@ -183,9 +190,15 @@ def _expected_shape(config: ModelConfig, param: str) -> tuple[int, ...]:
     module, _, what = param.rpartition(".")  # "layers.3.self_attn.q_proj", "weight"
     kind = module.rpartition(".")[2]  # "q_proj"
     out_in = {
-        "embed_tokens": (config.vocab_size, hidden), "lm_head": (config.vocab_size, hidden),
-        "q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
-        "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter),
+        "embed_tokens": (config.vocab_size, hidden),
+        "lm_head": (config.vocab_size, hidden),
+        "q_proj": (q, hidden),
+        "k_proj": (kv, hidden),
+        "v_proj": (kv, hidden),
+        "o_proj": (hidden, q),
+        "gate_proj": (inter, hidden),
+        "up_proj": (inter, hidden),
+        "down_proj": (hidden, inter),
     }.get(kind, (hidden,))  # the norms
     return out_in if what == "weight" else out_in[:1]
 
@@ -203,7 +216,9 @@ def _fused(state: dict[str, torch.Tensor], layers: LayerRange) -> dict[str, torc
 
     for i in layers:
         attn, mlp = f"layers.{i}.self_attn", f"layers.{i}.mlp"
-        state[f"{attn}.qkv_proj.weight_t"] = transposed(torch.cat([state.pop(f"{attn}.{p}_proj.weight") for p in "qkv"]))
+        state[f"{attn}.qkv_proj.weight_t"] = transposed(
+            torch.cat([state.pop(f"{attn}.{p}_proj.weight") for p in "qkv"])
+        )
         state[f"{attn}.o_proj.weight_t"] = transposed(state.pop(f"{attn}.o_proj.weight"))
         state[f"{mlp}.gate_up_proj.weight_t"] = transposed(
             torch.cat([state.pop(f"{mlp}.{p}_proj.weight") for p in ("gate", "up")])

@@ -47,6 +47,6 @@ def hf_greedy(hf_real):
         ids = tok(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
         with torch.no_grad():
             out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=2)
-        return out[0, len(ids):].tolist()
+        return out[0, len(ids) :].tolist()
 
     return greedy

@@ -15,7 +15,6 @@ from pathlib import Path
 import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from layerline.protos.v1 import common_pb2, stage_pb2, stage_pb2_grpc
 from layerline.stage_worker import codec
 
@@ -49,9 +48,23 @@ class StageProcess:
         self.log_path = log_dir / f"stage-{layers.replace(':', '-')}-{self.port}.log"
         self._log = self.log_path.open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "layerline", "stage", "--model", str(model), "--layers", layers,
-             "--port", str(self.port), "--threads", "1", *extra],
-            stdout=self._log, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "layerline",
+                "stage",
+                "--model",
+                str(model),
+                "--layers",
+                layers,
+                "--port",
+                str(self.port),
+                "--threads",
+                "1",
+                *extra,
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         self.channel = grpc.insecure_channel(self.address)

@@ -6,8 +6,8 @@ import asyncio
 import time
 
 import pytest
-
 from layerline.client import AsyncClient, Client, ResourceExhausted, Unavailable
+
 from layerline.launcher import ClusterPlan, LocalCluster
 
 from .stage_client import free_port
@@ -17,8 +17,14 @@ pytestmark = pytest.mark.real_model
 
 def test_a_burst_past_the_queue_bound_gets_resource_exhausted(real_model_dir, tmp_path, hf_greedy):
     """2 generating + 2 queued are admitted; the other 6 of a burst of 10 are refused at once."""
-    plan = ClusterPlan(model=str(real_model_dir), stages=2, port=free_port(), log_dir=tmp_path, kv_memory="32M",
-                       coordinator_args=("--max-active", "2", "--max-queued", "2"))
+    plan = ClusterPlan(
+        model=str(real_model_dir),
+        stages=2,
+        port=free_port(),
+        log_dir=tmp_path,
+        kv_memory="32M",
+        coordinator_args=("--max-active", "2", "--max-queued", "2"),
+    )
     cluster = LocalCluster(plan, real_model_dir)
     cluster.start()
     try:
@@ -41,8 +47,9 @@ def test_a_burst_past_the_queue_bound_gets_resource_exhausted(real_model_dir, tm
 
 
 def test_no_chain_covering_every_layer_is_unavailable(real_model_dir, tmp_path):
-    plan = ClusterPlan(model=str(real_model_dir), port=free_port(), log_dir=tmp_path, kv_memory="16M",
-                       layer_ranges=((0, 15),))
+    plan = ClusterPlan(
+        model=str(real_model_dir), port=free_port(), log_dir=tmp_path, kv_memory="16M", layer_ranges=((0, 15),)
+    )
     cluster = LocalCluster(plan, real_model_dir)
     cluster.start()
     try:

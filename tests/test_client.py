@@ -22,8 +22,6 @@ from typing import Any, TypeVar
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from opentelemetry.sdk.trace import TracerProvider
-
 from layerline.client import (
     AsyncClient,
     ChainStatus,
@@ -48,6 +46,7 @@ from layerline.client import (
 )
 from layerline.protos.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, tensor_pb2
 from layerline.shared.rpc import channel_options, listen, server_options
+from opentelemetry.sdk.trace import TracerProvider
 
 pb = coordinator_pb2
 STOP, LENGTH = pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH
@@ -96,7 +95,7 @@ class ScriptedCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
         self.received.append(Received("Chat", request, dict(context.invocation_metadata())))
         yield from self._answer(request.messages[-1].content, request.model, context)
 
-    def _answer(self, key: str, model: str, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+    def _answer(self, key: str, model: str, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:  # noqa: PLR0912
         if model == "nope":
             context.abort(grpc.StatusCode.NOT_FOUND, "model 'nope' is not served")
         if key in ("Once upon a time", "Hi"):
@@ -142,15 +141,41 @@ class ScriptedCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
         self, request: pb.ClusterStatusRequest, context: grpc.ServicerContext
     ) -> pb.ClusterStatusResponse:
         serving = common_pb2.WorkerInfo(
-            address="127.0.0.1:7101", host="node-a", pid=4242, instance_id="i-1", model_id="d1g", model_name="smollm2",
-            layer_start=0, layer_end=15, num_layers=30, dtype=tensor_pb2.BFLOAT16, device="cpu", tp_size=2,
-            kv_blocks_total=512, kv_blocks_free=500, kv_block_size=16, in_flight_steps=3, active_sequences=5,
+            address="127.0.0.1:7101",
+            host="node-a",
+            pid=4242,
+            instance_id="i-1",
+            model_id="d1g",
+            model_name="smollm2",
+            layer_start=0,
+            layer_end=15,
+            num_layers=30,
+            dtype=tensor_pb2.BFLOAT16,
+            device="cpu",
+            tp_size=2,
+            kv_blocks_total=512,
+            kv_blocks_free=500,
+            kv_block_size=16,
+            in_flight_steps=3,
+            active_sequences=5,
             state=common_pb2.WORKER_STATE_SERVING,
         )
         draining = common_pb2.WorkerInfo(
-            address="127.0.0.1:7102", host="node-b", pid=77, instance_id="i-2", model_id="d1g", model_name="smollm2",
-            layer_start=15, layer_end=30, num_layers=30, dtype=tensor_pb2.FLOAT32, device="cpu", tp_size=1,
-            kv_blocks_total=64, kv_blocks_free=64, state=common_pb2.WORKER_STATE_DRAINING,
+            address="127.0.0.1:7102",
+            host="node-b",
+            pid=77,
+            instance_id="i-2",
+            model_id="d1g",
+            model_name="smollm2",
+            layer_start=15,
+            layer_end=30,
+            num_layers=30,
+            dtype=tensor_pb2.FLOAT32,
+            device="cpu",
+            tp_size=1,
+            kv_blocks_total=64,
+            kv_blocks_free=64,
+            state=common_pb2.WORKER_STATE_DRAINING,
         )
         return pb.ClusterStatusResponse(
             workers=[
@@ -229,15 +254,31 @@ def test_no_params_sends_an_empty_sampling_message(client: Client, coordinator: 
 
 def test_every_param_and_the_model_reach_the_server(client: Client, coordinator: ScriptedCoordinator) -> None:
     client.generate(
-        "Once upon a time", max_tokens=7, temperature=0.5, top_p=0.75, top_k=40, min_p=0.25,
-        repetition_penalty=1.5, seed=2**64 - 1, stop=["\n\n", "END"], logprobs=2, model="smollm2",
+        "Once upon a time",
+        max_tokens=7,
+        temperature=0.5,
+        top_p=0.75,
+        top_k=40,
+        min_p=0.25,
+        repetition_penalty=1.5,
+        seed=2**64 - 1,
+        stop=["\n\n", "END"],
+        logprobs=2,
+        model="smollm2",
     )
     client.generate("Once upon a time", stop="END", top_k=0)
     first, second = (r.request for r in coordinator.received)
     assert first.model == "smollm2"
     assert first.sampling == common_pb2.SamplingParams(
-        max_tokens=7, temperature=0.5, top_p=0.75, top_k=40, min_p=0.25, repetition_penalty=1.5,
-        seed=2**64 - 1, stop=["\n\n", "END"], logprobs=2,
+        max_tokens=7,
+        temperature=0.5,
+        top_p=0.75,
+        top_k=40,
+        min_p=0.25,
+        repetition_penalty=1.5,
+        seed=2**64 - 1,
+        stop=["\n\n", "END"],
+        logprobs=2,
     )
     assert list(second.sampling.stop) == ["END"]
     assert second.sampling.HasField("top_k") and second.sampling.top_k == 0
@@ -342,14 +383,38 @@ def test_models_and_cluster(client: Client) -> None:
     assert client.cluster() == ClusterStatus(
         workers=[
             WorkerStatus(
-                address="127.0.0.1:7101", host="node-a", pid=4242, instance_id="i-1", model_id="d1g",
-                model_name="smollm2", layers=(0, 15), num_layers=30, replica=0, tp=2, state="SERVING",
-                dtype="bfloat16", device="cpu", load=WorkerLoad(3, 5, 500, 512), seconds_since_heartbeat=0.5,
+                address="127.0.0.1:7101",
+                host="node-a",
+                pid=4242,
+                instance_id="i-1",
+                model_id="d1g",
+                model_name="smollm2",
+                layers=(0, 15),
+                num_layers=30,
+                replica=0,
+                tp=2,
+                state="SERVING",
+                dtype="bfloat16",
+                device="cpu",
+                load=WorkerLoad(3, 5, 500, 512),
+                seconds_since_heartbeat=0.5,
             ),
             WorkerStatus(
-                address="127.0.0.1:7102", host="node-b", pid=77, instance_id="i-2", model_id="d1g",
-                model_name="smollm2", layers=(15, 30), num_layers=30, replica=None, tp=1, state="DRAINING",
-                dtype="float32", device="cpu", load=WorkerLoad(0, 0, 64, 64), seconds_since_heartbeat=2.0,
+                address="127.0.0.1:7102",
+                host="node-b",
+                pid=77,
+                instance_id="i-2",
+                model_id="d1g",
+                model_name="smollm2",
+                layers=(15, 30),
+                num_layers=30,
+                replica=None,
+                tp=1,
+                state="DRAINING",
+                dtype="float32",
+                device="cpu",
+                load=WorkerLoad(0, 0, 64, 64),
+                seconds_since_heartbeat=2.0,
             ),
         ],
         chains=[ChainStatus(0, "d1g", ["127.0.0.1:7101", "127.0.0.1:7103"], 5)],

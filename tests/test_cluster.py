@@ -7,10 +7,10 @@ import time
 
 import grpc
 import pytest
-
 from layerline.client import AsyncClient, Client
-from layerline.launcher import ClusterPlan, LocalCluster, head_weight, split_layers
 from layerline.protos.v1 import stage_pb2, stage_pb2_grpc
+
+from layerline.launcher import ClusterPlan, LocalCluster, head_weight, split_layers
 
 from .stage_client import free_port
 
@@ -21,8 +21,13 @@ PROMPTS = ["Once upon a time", "The three primary colors are", "def fibonacci(n)
 
 @pytest.fixture(scope="module")
 def cluster(real_model_dir, tmp_path_factory):
-    plan = ClusterPlan(model=str(real_model_dir), stages=2, port=free_port(),
-                       log_dir=tmp_path_factory.mktemp("cluster-logs"), kv_memory="64M")
+    plan = ClusterPlan(
+        model=str(real_model_dir),
+        stages=2,
+        port=free_port(),
+        log_dir=tmp_path_factory.mktemp("cluster-logs"),
+        kv_memory="64M",
+    )
     local = LocalCluster(plan, real_model_dir)
     local.start()
     try:
@@ -81,9 +86,7 @@ def test_stream_deltas_concatenate_to_the_completion(cluster):
 def test_concurrent_streams_each_equal_transformers(cluster, hf_greedy):
     async def run() -> list[list[int]]:
         async with AsyncClient(cluster.address) as client:
-            done = await asyncio.gather(
-                *(client.generate(p, max_tokens=16, temperature=0.0) for p in PROMPTS)
-            )
+            done = await asyncio.gather(*(client.generate(p, max_tokens=16, temperature=0.0) for p in PROMPTS))
         return [d.token_ids for d in done]
 
     got = asyncio.run(run())
@@ -92,8 +95,7 @@ def test_concurrent_streams_each_equal_transformers(cluster, hf_greedy):
 
 def test_chat_answers_paris(cluster):
     with Client(cluster.address) as client:
-        r = client.chat([{"role": "user", "content": "What is the capital of France?"}],
-                        max_tokens=32, temperature=0.0)
+        r = client.chat([{"role": "user", "content": "What is the capital of France?"}], max_tokens=32, temperature=0.0)
     assert "Paris" in r.text
     assert r.finish_reason == "stop"  # the model ends its turn with <|im_end|>
 
@@ -120,7 +122,6 @@ def test_stop_strings_end_the_answer_without_the_stop_text(cluster):
 def test_bad_sampling_parameters_are_refused_by_the_server(cluster, params, field):
     """Straight to the service (the SDK checks these too): INVALID_ARGUMENT naming the field."""
     import grpc
-
     from layerline.protos.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
     with grpc.insecure_channel(cluster.address) as channel:
@@ -136,7 +137,6 @@ def test_bad_sampling_parameters_are_refused_by_the_server(cluster, params, fiel
 
 def test_empty_prompt_and_unknown_model_are_refused(cluster):
     import grpc
-
     from layerline.protos.v1 import coordinator_pb2, coordinator_pb2_grpc
 
     with grpc.insecure_channel(cluster.address) as channel:
@@ -162,7 +162,6 @@ def test_a_cancelled_stream_releases_its_kv_on_every_stage(cluster):
     import time
 
     import grpc
-
     from layerline.protos.v1 import stage_pb2, stage_pb2_grpc
 
     def kv() -> dict[str, tuple[int, int]]:
@@ -219,7 +218,7 @@ def test_a_finished_requests_kv_serves_a_later_prompt_that_starts_the_same(clust
     assert b.token_ids == hf_greedy(longer, 12)
     a_fed = tok(base)["input_ids"] + a.token_ids[:-1]  # the last token's KV was never computed
     b_ids = tok(longer)["input_ids"]
-    shared = next(i for i, (x, y) in enumerate(zip(a_fed + [-1], b_ids)) if x != y)
+    shared = next(i for i, (x, y) in enumerate(zip([*a_fed, -1], b_ids)) if x != y)
     assert shared >= len(tok(base)["input_ids"]) - 1
     assert after.shared_prefix_tokens - before.shared_prefix_tokens == shared
     assert before.chains[0].cached_prefixes >= 1

@@ -9,7 +9,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from layerline.protos.v1 import tensor_pb2
 from layerline.stage_worker import codec
 from layerline.stage_worker.codec import CodecLimits, FrameError, FrameLimitError, Reassembler
@@ -72,10 +71,7 @@ def test_encode_decode_round_trip(t: torch.Tensor) -> None:
 @settings(max_examples=150, deadline=None)
 @given(t=tensors(), chunk_bytes=st.integers(1, 400))
 def test_chunk_reassemble_round_trip(t: torch.Tensor, chunk_bytes: int) -> None:
-    chunks = [
-        tensor_pb2.TensorChunk.FromString(c.SerializeToString())
-        for c in codec.chunk(t, chunk_bytes)
-    ]
+    chunks = [tensor_pb2.TensorChunk.FromString(c.SerializeToString()) for c in codec.chunk(t, chunk_bytes)]
     total = t.numel() * t.dtype.itemsize
     assert len(chunks) == max(1, -(-total // chunk_bytes))
     assert all(len(c.data) <= chunk_bytes for c in chunks)
@@ -143,8 +139,16 @@ def _tensor(dtype: int, shape: list[int], data: bytes) -> tensor_pb2.Tensor:
         (_tensor(99, [2], bytes(8)), FrameError, r"tensor\.dtype = 99: unknown dtype"),
         (_tensor(tensor_pb2.DTYPE_UNSPECIFIED, [2], bytes(8)), FrameError, r"tensor\.dtype = 0: dtype must be set"),
         (_tensor(tensor_pb2.INT32, [2, -3], b""), FrameError, r"tensor\.shape\[1\] = -3: dimensions must be >= 0"),
-        (_tensor(tensor_pb2.INT32, [1] * 7, bytes(4)), FrameLimitError, r"tensor\.shape has 7 dims: at most max_dims = 6"),
-        (_tensor(tensor_pb2.INT64, [1 << 18], bytes(8)), FrameLimitError, r"tensor\.shape .* over max_tensor_bytes = 1048576"),
+        (
+            _tensor(tensor_pb2.INT32, [1] * 7, bytes(4)),
+            FrameLimitError,
+            r"tensor\.shape has 7 dims: at most max_dims = 6",
+        ),
+        (
+            _tensor(tensor_pb2.INT64, [1 << 18], bytes(8)),
+            FrameLimitError,
+            r"tensor\.shape .* over max_tensor_bytes = 1048576",
+        ),
     ],
     ids=["bytes-vs-shape", "unknown-dtype", "unset-dtype", "negative-dim", "too-many-dims", "over-limit"],
 )  # fmt: skip

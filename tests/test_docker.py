@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import re
 import shlex
-import tomllib
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -25,6 +25,7 @@ from unittest import mock
 
 import grpc
 import pytest
+import tomllib
 import yaml  # PyYAML: installed with the [test] extra, through transformers
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from packaging.requirements import Requirement
@@ -98,8 +99,7 @@ class Dockerfile:
 
 def _expand(text: str, variables: dict[str, str]) -> str:
     """`${NAME}` and `$NAME` replaced by their ARG default or ENV value (unknown names are kept)."""
-    return re.sub(r"\$\{(\w+)\}|\$(\w+)",
-                  lambda m: variables.get(m[1] or m[2], m[0]), text)
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: variables.get(m[1] or m[2], m[0]), text)
 
 
 def read_dockerfile(relative: str) -> Dockerfile:
@@ -153,8 +153,9 @@ class Rejected(Exception):
 def parse(argv: list[str]) -> argparse.Namespace:
     """`argv` (starting with "layerline") parsed by the real parser; Rejected if it refuses."""
     assert argv[:1] == ["layerline"], f"not a layerline command: {argv}"
-    assert all(isinstance(word, str) for word in argv), \
+    assert all(isinstance(word, str) for word in argv), (
         f"non-string word in {argv}: quote it in YAML (YAML 1.1 reads 19:30 as 1170)"
+    )
 
     def error(parser: argparse.ArgumentParser, message: str) -> None:
         raise Rejected(f"{parser.prog}: {message}")
@@ -198,7 +199,7 @@ def load_healthcheck() -> ModuleType:
 
 def test_entrypoints_listen_on_all_interfaces_and_leave_the_model_to_the_run() -> None:
     entrypoint = STAGE.exec_form("ENTRYPOINT")
-    with pytest.raises(Rejected, match="--model.*--layers"):
+    with pytest.raises(Rejected, match=r"--model.*--layers"):
         parse(entrypoint)
     for dockerfile, command in (STAGE_DOCKERFILE, "stage"), (COORDINATOR_DOCKERFILE, "coordinator"):
         args = parse(IMAGES[dockerfile].exec_form("ENTRYPOINT") + RUN_ARGS[dockerfile])
@@ -226,8 +227,9 @@ def test_stage_image_installs_cpu_torch_pinned_before_the_worker_extra() -> None
     words = shlex.split(torch_installs[0])
     assert words[words.index("--index-url") + 1] == TORCH_CPU_INDEX
     assert "torch==2.13.0" in words
-    worker_torch = next(r for r in map(Requirement, PYPROJECT["project"]["optional-dependencies"]["worker"])
-                        if r.name == "torch")
+    worker_torch = next(
+        r for r in map(Requirement, PYPROJECT["project"]["optional-dependencies"]["worker"]) if r.name == "torch"
+    )
     assert worker_torch.specifier.contains("2.13.0"), "the pinned torch must satisfy the [worker] extra"
     # Installed after the pinned torch, the extra finds torch there; before it, pip would take
     # a (CUDA) torch from PyPI.
@@ -260,8 +262,9 @@ def test_images_run_as_the_same_unprivileged_user_owning_the_model_cache() -> No
         uids.add(useradd[useradd.index("--uid") + 1])
         cache = image.variables["LAYERLINE_HOME"]
         assert json.loads(image.one("VOLUME")) == [cache], dockerfile
-        assert f"chown {user}:{user} {cache} " in " ".join(shlex.split(created)) + " ", \
+        assert f"chown {user}:{user} {cache} " in " ".join(shlex.split(created)) + " ", (
             "the volume must start owned by the user"
+        )
     assert len(uids) == 1, f"both images share one cache volume: one uid, not {uids}"
 
 
@@ -284,17 +287,25 @@ def _ignored(path: str, patterns: list[str]) -> bool:
 
 @pytest.mark.parametrize("dockerfile", IMAGES)
 def test_image_copies_what_the_package_build_needs(dockerfile: str) -> None:
-    patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
-                if line.strip() and not line.startswith("#")]
+    patterns = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     sources = {source for sources, _ in IMAGES[dockerfile].copies() for source in sources}
     package_dirs = PYPROJECT["tool"]["setuptools"]["package-dir"].values()
     needed = {"pyproject.toml", PYPROJECT["project"]["readme"], *package_dirs}
     assert needed <= sources, f"{dockerfile} does not copy {needed - sources}"
     for source in sources:
-        files = [source] if (ROOT / source).is_file() else [
-            p.relative_to(ROOT).as_posix() for p in (ROOT / source).rglob("*")
-            if p.suffix in (".py", ".proto", ".pyi") and "__pycache__" not in p.parts
-        ]
+        files = (
+            [source]
+            if (ROOT / source).is_file()
+            else [
+                p.relative_to(ROOT).as_posix()
+                for p in (ROOT / source).rglob("*")
+                if p.suffix in (".py", ".proto", ".pyi") and "__pycache__" not in p.parts
+            ]
+        )
         assert files, f"{source} is empty or missing"
         dropped = [f for f in files if _ignored(f, patterns)]
         assert not dropped, f".dockerignore drops files the build needs: {dropped}"
@@ -325,8 +336,7 @@ def test_healthcheck_script_exits_0_only_when_serving() -> None:
 
 def test_compose_commands_parse_with_the_cli() -> None:
     commands = {name: parse(service_argv(name)).command for name in SERVICES}
-    assert commands == {"model": "model", "coordinator": "coordinator",
-                        "stage-0-19": "stage", "stage-19-30": "stage"}
+    assert commands == {"model": "model", "coordinator": "coordinator", "stage-0-19": "stage", "stage-19-30": "stage"}
     fetch = parse(service_argv("model"))
     assert fetch.model_command == "fetch"
 
@@ -335,16 +345,16 @@ def test_compose_stages_cover_every_layer_of_one_model_once() -> None:
     stages = dict(services_running("stage"))
     ranges = sorted(tuple(map(int, args.layers.split(":"))) for args in stages.values())
     assert ranges[0][0] == 0 and ranges[-1][1] == SMOLLM2_LAYERS, ranges
-    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), f"gap or overlap in {ranges}"
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges)), f"gap or overlap in {ranges}"
     assert all(start < end for start, end in ranges), ranges
 
-    (_, coordinator), = services_running("coordinator")
+    ((_, coordinator),) = services_running("coordinator")
     fetched = parse(service_argv("model")).name
     assert {args.model for args in stages.values()} == {coordinator.model} == {fetched}
 
 
 def test_compose_addresses_and_ports_agree_with_the_flags() -> None:
-    (coordinator_name, coordinator), = services_running("coordinator")
+    ((coordinator_name, coordinator),) = services_running("coordinator")
     assert coordinator.host == "0.0.0.0"
     for name, args in services_running("stage"):
         assert args.host == "0.0.0.0", name

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
+from layerline.shared.model_config import LayerRange
 from layerline.stage_worker.engine import SequenceStep, StageEngine, StepInputError
 from layerline.stage_worker.kv_cache import CacheShape, KVCacheExhausted, PagedKVCache
-from layerline.shared.model_config import LayerRange
 from layerline.stage_worker.sampler import SamplingParams, sample
 from layerline.stage_worker.weights import load_stage
 
@@ -82,9 +81,7 @@ def test_bad_sequences_fail_alone(ckpt):
 def test_a_later_stage_runs_the_rows_of_the_sequences_it_keeps(ckpt):
     hidden = torch.randn(6, 48)  # rows: a a a | bad bad | b
     middle = engine(ckpt, LayerRange(1, 3))
-    out = middle.run(
-        [SequenceStep("a", (0, 1, 2)), SequenceStep("bad", (0, 2)), SequenceStep("b", (0,))], hidden
-    )
+    out = middle.run([SequenceStep("a", (0, 1, 2)), SequenceStep("bad", (0, 2)), SequenceStep("b", (0,))], hidden)
     assert [s.sequence_id for s in out.kept] == ["a", "b"]
     alone = engine(ckpt, LayerRange(1, 3)).run(
         [SequenceStep("a", (0, 1, 2)), SequenceStep("b", (0,))], hidden[[0, 1, 2, 5]]
@@ -139,8 +136,8 @@ def test_a_shared_prefix_is_copied_and_gives_the_same_tokens(ckpt):
     for layer in first.cache.k:  # the copied K rows are a's, bit for bit
         table_a, table_b = first.cache._tables["a"], first.cache._tables["b"]
         for p in range(6):
-            slot = lambda t: t[p // 4] * 4 + p % 4  # noqa: E731
-            assert torch.equal(first.cache.k[layer][slot(table_b)], first.cache.k[layer][slot(table_a)])
+            slot_a, slot_b = (t[p // 4] * 4 + p % 4 for t in (table_a, table_b))
+            assert torch.equal(first.cache.k[layer][slot_b], first.cache.k[layer][slot_a])
     for e in (first, last):
         e.release("a")
         e.release("b")  # a's blocks and b's are separate: releasing both frees both
@@ -148,13 +145,16 @@ def test_a_shared_prefix_is_copied_and_gives_the_same_tokens(ckpt):
         assert e.cache.blocks_free == e.cache.blocks_total
 
 
-@pytest.mark.parametrize("step,message", [
-    (SequenceStep("b", (3, 4), (5, 6), prefix_from="nobody"), "prefix_from 'nobody': that sequence holds 0"),
-    (SequenceStep("b", (9, 10), (5, 6), prefix_from="a"), "holds 4 token(s) here, fewer than the 9 to copy"),
-    (SequenceStep("b", (0, 1), (5, 6), prefix_from="a"), "must start past position 0"),
-    (SequenceStep("a", (4,), (5,), prefix_from="a"), "already holds KV here"),
-    (SequenceStep("b", (2,), (5,), prefix_from="b"), "names itself in prefix_from"),
-])
+@pytest.mark.parametrize(
+    "step,message",
+    [
+        (SequenceStep("b", (3, 4), (5, 6), prefix_from="nobody"), "prefix_from 'nobody': that sequence holds 0"),
+        (SequenceStep("b", (9, 10), (5, 6), prefix_from="a"), "holds 4 token(s) here, fewer than the 9 to copy"),
+        (SequenceStep("b", (0, 1), (5, 6), prefix_from="a"), "must start past position 0"),
+        (SequenceStep("a", (4,), (5,), prefix_from="a"), "already holds KV here"),
+        (SequenceStep("b", (2,), (5,), prefix_from="b"), "names itself in prefix_from"),
+    ],
+)
 def test_a_bad_prefix_fails_only_its_sequence(ckpt, step, message):
     first = engine(ckpt, LayerRange(0, 2))
     first.run([SequenceStep("a", (0, 1, 2, 3), (1, 2, 3, 4))])

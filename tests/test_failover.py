@@ -7,8 +7,8 @@ import random
 import time
 
 import pytest
-
 from layerline.client import AsyncClient, Unavailable
+
 from layerline.launcher import ClusterPlan, LocalCluster
 
 from .stage_client import free_port
@@ -20,6 +20,7 @@ PROMPTS = [f"Chapter {i + 1}. Once upon a time, in a village by the sea," for i 
 
 async def _streams(address: str, n: int, *, on_token=None) -> list[tuple[list[int], str, str]]:  # type: ignore[no-untyped-def]
     async with AsyncClient(address) as client:
+
         async def one(i: int) -> tuple[list[int], str, str]:
             ids: list[int] = []
             text = ""
@@ -36,8 +37,9 @@ async def _streams(address: str, n: int, *, on_token=None) -> list[tuple[list[in
 
 
 def test_sigkill_of_a_stage_worker_loses_no_token(real_model_dir, tmp_path):
-    plan = ClusterPlan(model=str(real_model_dir), stages=2, replicas=2, port=free_port(), log_dir=tmp_path,
-                       kv_memory="32M")
+    plan = ClusterPlan(
+        model=str(real_model_dir), stages=2, replicas=2, port=free_port(), log_dir=tmp_path, kv_memory="32M"
+    )
     cluster = LocalCluster(plan, real_model_dir)
     cluster.start()
     try:
@@ -86,6 +88,7 @@ def test_losing_the_only_worker_of_some_layers_ends_with_unavailable(real_model_
 
         async def run() -> list[BaseException | tuple]:
             async with AsyncClient(cluster.address) as client:
+
                 async def one(i: int):  # type: ignore[no-untyped-def]
                     async for chunk in client.stream(PROMPTS[i], max_tokens=200, temperature=0.0):
                         if chunk.token_ids and i == 0 and victim.poll() is None:
@@ -186,8 +189,18 @@ def test_stage_workers_outlive_a_coordinator_crash_and_free_what_it_left(real_mo
         cluster.procs.remove(("coordinator", coordinator))
         log = (tmp_path / "coordinator-2.log").open("wb")
         again = subprocess.Popen(
-            [sys.executable, "-m", "layerline", "coordinator", "--model", str(real_model_dir),
-             "--port", str(cluster.plan.port)], stdout=log, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "layerline",
+                "coordinator",
+                "--model",
+                str(real_model_dir),
+                "--port",
+                str(cluster.plan.port),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
         cluster.procs.append(("coordinator-2", again))
         status = cluster.wait_ready(timeout=60)  # the workers register again by themselves

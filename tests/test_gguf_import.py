@@ -16,12 +16,12 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from layerline.model_store.gguf_import import GGUFImportError, import_gguf
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from layerline.cli import main
-from layerline.model_store.gguf_import import GGUFImportError, import_gguf
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 USER_DEFINED = "<tool>"
@@ -58,7 +58,9 @@ def train_vocab() -> TinyVocab:
     tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=SPECIALS, show_progress=False,
+        vocab_size=300,
+        special_tokens=SPECIALS,
+        show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(CORPUS * 10, trainer)
@@ -77,9 +79,18 @@ def train_vocab() -> TinyVocab:
 def make_model(vocab_size: int, *, tied: bool) -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=vocab_size, rope_theta=50000.0, rms_norm_eps=1e-5,
-        max_position_embeddings=256, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab_size,
+        rope_theta=50000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+        bos_token_id=1,
+        eos_token_id=2,
         pad_token_id=2,
     )
     model = LlamaForCausalLM(config).eval()
@@ -102,10 +113,17 @@ def gguf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
     out = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"]}
     if not cfg.tie_word_embeddings:
         out["output.weight"] = sd["lm_head.weight"]
-    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-             "post_attention_layernorm": "ffn_norm"}
+    names = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
     for i in range(cfg.num_hidden_layers):
         for hf, g in names.items():
             w = sd[f"model.layers.{i}.{hf}.weight"]
@@ -118,8 +136,14 @@ def gguf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
 
 
 def write_gguf(
-    path: Path, model: LlamaForCausalLM, vocab: TinyVocab, *, arch: str = "llama",
-    quantize: Iterable[str] = (), skip_keys: Iterable[str] = (), tokenizer_model: str = "gpt2",
+    path: Path,
+    model: LlamaForCausalLM,
+    vocab: TinyVocab,
+    *,
+    arch: str = "llama",
+    quantize: Iterable[str] = (),
+    skip_keys: Iterable[str] = (),
+    tokenizer_model: str = "gpt2",
     add_bos: bool = False,
 ) -> dict[str, np.ndarray]:
     """Write `model` as llama.cpp would; returns the (permuted) tensors as written, before quantizing."""
@@ -153,8 +177,11 @@ def write_gguf(
     tensors = gguf_tensors(model)
     for name, value in tensors.items():
         if name in quantize:
-            w.add_tensor(name, gguf.quants.quantize(value, gguf.GGMLQuantizationType.Q8_0),
-                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(
+                name,
+                gguf.quants.quantize(value, gguf.GGMLQuantizationType.Q8_0),
+                raw_dtype=gguf.GGMLQuantizationType.Q8_0,
+            )
         else:
             w.add_tensor(name, value)
     w.write_header_to_file()
@@ -216,18 +243,24 @@ def test_q8_0_tensors_are_dequantized_and_unpermuted(vocab: TinyVocab, tmp_path:
     write_gguf(tmp_path / "q8.gguf", model, vocab, quantize=quantized)
     out = import_gguf(tmp_path / "q8.gguf", tmp_path / "ckpt", progress=False)
     weights = load_file(str(out / "model.safetensors"))
-    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
-                 "model.layers.0.mlp.up_proj.weight"):
+    for name in (
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.self_attn.k_proj.weight",
+        "model.layers.0.mlp.up_proj.weight",
+    ):
         original = model.state_dict()[name].numpy()
         # Q8_0 keeps 8 bits per value plus a scale per 32: error <= half a step of the block max.
         np.testing.assert_allclose(weights[name], original, atol=np.abs(original).max() / 127, rtol=0)
         assert not np.array_equal(weights[name], original), f"{name} should have been quantized"
-    np.testing.assert_array_equal(weights["model.layers.0.self_attn.v_proj.weight"],
-                                  model.state_dict()["model.layers.0.self_attn.v_proj.weight"].numpy())
+    np.testing.assert_array_equal(
+        weights["model.layers.0.self_attn.v_proj.weight"],
+        model.state_dict()["model.layers.0.self_attn.v_proj.weight"].numpy(),
+    )
 
 
-def test_tokenizer_matches_the_source_vocabulary(vocab: TinyVocab, untied: tuple[LlamaForCausalLM, Path],
-                                                 tmp_path: Path) -> None:
+def test_tokenizer_matches_the_source_vocabulary(
+    vocab: TinyVocab, untied: tuple[LlamaForCausalLM, Path], tmp_path: Path
+) -> None:
     out = import_gguf(untied[1], tmp_path / "ckpt", progress=False)
     ours = Tokenizer.from_file(str(out / "tokenizer.json"))
     for text in [*CORPUS, SAMPLE, "  spaces\tand\nnewlines 007 ünïcödé 🙂"]:
@@ -240,7 +273,11 @@ def test_tokenizer_matches_the_source_vocabulary(vocab: TinyVocab, untied: tuple
 
     config = json.loads((out / "tokenizer_config.json").read_text())
     assert config["chat_template"] == CHAT_TEMPLATE
-    assert (config["bos_token"], config["eos_token"], config["pad_token"]) == ("<|im_start|>", "<|im_end|>", "<|im_end|>")
+    assert (config["bos_token"], config["eos_token"], config["pad_token"]) == (
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|im_end|>",
+    )
     assert config["tokenizer_class"] == "PreTrainedTokenizerFast" and config["add_bos_token"] is False
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2
 
@@ -273,11 +310,14 @@ def test_existing_output_is_kept_unless_forced(untied: tuple[LlamaForCausalLM, P
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no staging directory left behind
 
 
-@pytest.mark.parametrize(("content", "message"), [
-    (b"", "empty"),
-    (os.urandom(4096), "not a GGUF file"),
-    (b"GGUF", "truncated or corrupt"),
-])
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"", "empty"),
+        (os.urandom(4096), "not a GGUF file"),
+        (b"GGUF", "truncated or corrupt"),
+    ],
+)
 def test_not_a_gguf_file(tmp_path: Path, content: bytes, message: str) -> None:
     path = tmp_path / "bad.gguf"
     path.write_bytes(content)
@@ -325,15 +365,16 @@ def test_cli_reports_errors_without_traceback(tmp_path: Path) -> None:
     bad.write_bytes(os.urandom(1000))
     result = subprocess.run(
         [sys.executable, "-m", "layerline", "model", "import-gguf", str(bad), str(tmp_path / "out")],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 2
     assert result.stderr.startswith("error: ") and "not a GGUF file" in result.stderr
     assert "Traceback" not in result.stderr
 
 
-def test_cli_imports(untied: tuple[LlamaForCausalLM, Path], tmp_path: Path,
-                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_imports(untied: tuple[LlamaForCausalLM, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "ckpt"
     assert main(["model", "import-gguf", str(untied[1]), str(out), "--quiet"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == str(out)

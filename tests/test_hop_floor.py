@@ -15,13 +15,21 @@ from layerline.bench.hop_floor import HopFloor, Shapes, measure_hop_floor
 
 from .stage_client import free_ports
 
-CONFIG = dict(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-              num_attention_heads=4, num_key_value_heads=2)
+CONFIG = dict(
+    model_type="llama",
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
 
 def test_shapes_of_a_config_give_the_fused_widths() -> None:
-    assert Shapes.of(CONFIG) == Shapes(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=4,
-                                       qkv_width=(4 + 2 * 2) * 8, o_width=4 * 8)
+    assert Shapes.of(CONFIG) == Shapes(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=4, qkv_width=(4 + 2 * 2) * 8, o_width=4 * 8
+    )
 
 
 def test_both_relays_return_the_same_tokens_over_the_split_of_layerline_up() -> None:

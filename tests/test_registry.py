@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import pytest
-
 from layerline.coordinator.registry import Registry, Worker, build_chains
 
 
 def w(address: str, start: int, end: int, *, model: str = "m1", instance: str = "i") -> Worker:
-    return Worker(address=address, instance_id=instance, model_id=model, model_name="x",
-                  layer_start=start, layer_end=end, num_layers=30)
+    return Worker(
+        address=address,
+        instance_id=instance,
+        model_id=model,
+        model_name="x",
+        layer_start=start,
+        layer_end=end,
+        num_layers=30,
+    )
 
 
 def addresses(chains: list[list[Worker]]) -> list[list[str]]:
@@ -63,5 +69,8 @@ def test_heartbeats_of_unknown_instances_ask_to_register_again():
 
 def test_a_worker_of_another_layer_count_is_refused():
     with pytest.raises(ValueError, match="serves a model of 32 layers; this coordinator's model has 30"):
-        Registry(num_layers=30).register(Worker(address="a", instance_id="i", model_id="m", model_name="x",
-                                                layer_start=0, layer_end=16, num_layers=32))
+        Registry(num_layers=30).register(
+            Worker(
+                address="a", instance_id="i", model_id="m", model_name="x", layer_start=0, layer_end=16, num_layers=32
+            )
+        )

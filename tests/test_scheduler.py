@@ -39,8 +39,7 @@ async def settle() -> None:
 
 def started(sender: HeldSteps, **kwargs: object) -> ChainScheduler:
     """A running scheduler that sends to `sender` and releases through it."""
-    sched = ChainScheduler(sender, on_step_failed=lambda *a: None, release=sender.release,
-                           **kwargs)  # type: ignore[arg-type]
+    sched = ChainScheduler(sender, on_step_failed=lambda *a: None, release=sender.release, **kwargs)  # type: ignore[arg-type]
     sched.start()
     return sched
 
@@ -93,8 +92,9 @@ def test_sharing_can_be_turned_off():
         await settle()
         sched.add(seq("b", [1, 2, 3, 4, 5, 6, 7]))
         await settle()
-        assert [(s.start, s.prefix_from) for st, _ in sender.steps[1:] for s in st.slices
-                if s.seq.sequence_id == "b"] == [(0, None)]
+        assert [
+            (s.start, s.prefix_from) for st, _ in sender.steps[1:] for s in st.slices if s.seq.sequence_id == "b"
+        ] == [(0, None)]
         await sched.stop()
 
     asyncio.run(run())
@@ -187,11 +187,12 @@ def test_a_full_kv_cache_on_a_stage_empties_the_prefix_cache():
             await run_to_end(sched, sender, ending(name, [first] * 6, tokens=1))
         assert list(sched.cached) == ["a", "b"]
         errors: list[tuple[int, str]] = []
-        big = Sequence("big", [5] * 40, SamplingParams(), on_token=lambda *a: None,
-                       on_error=lambda *e: errors.append(e))
+        big = Sequence(
+            "big", [5] * 40, SamplingParams(), on_token=lambda *a: None, on_error=lambda *e: errors.append(e)
+        )
         sched.add(big)
         await settle()
-        step, future = sender.steps[-1]
+        _step, future = sender.steps[-1]
         future.set_result([Outcome("big", error_code=8, error_message="KV cache exhausted")])
         await settle()
         assert errors == [(8, "KV cache exhausted")]

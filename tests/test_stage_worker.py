@@ -7,10 +7,9 @@ import math
 import grpc
 import pytest
 import torch
-
 from layerline.protos.v1 import common_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
-from layerline.stage_worker.codec import chunk
 from layerline.shared.model_config import LayerRange
+from layerline.stage_worker.codec import chunk
 from layerline.stage_worker.weights import load_stage
 
 from .pipeline import LocalPipeline
@@ -95,8 +94,14 @@ def test_two_stage_chain_matches_greedy_oracle_with_mixed_batches(chain, oracle)
                     continue
                 if fed[sid] < len(prompt):  # prompt chunks of at most 7 tokens
                     n = min(7, len(prompt) - fed[sid])
-                    seqs.append(seq_input(sid, range(fed[sid], fed[sid] + n), prompt[fed[sid]:fed[sid] + n],
-                                          sample=fed[sid] + n == len(prompt)))
+                    seqs.append(
+                        seq_input(
+                            sid,
+                            range(fed[sid], fed[sid] + n),
+                            prompt[fed[sid] : fed[sid] + n],
+                            sample=fed[sid] + n == len(prompt),
+                        )
+                    )
                     fed[sid] += n
                 else:
                     pos = len(prompt) + len(got[sid]) - 1
@@ -134,8 +139,9 @@ def test_releases_ride_a_step_down_the_whole_route_before_its_work(chain, oracle
         held = [stage.info().kv_blocks_free for stage in chain]
         assert all(h < f for h, f in zip(held, free))
         # A new sequence, with "kept" freed on each stage just before it: the blocks are reused.
-        new = stream.step([seq_input("new", range(len(PROMPTS["s2"])), PROMPTS["s2"])], route=[last.address],
-                          release=["kept"])
+        new = stream.step(
+            [seq_input("new", range(len(PROMPTS["s2"])), PROMPTS["s2"])], route=[last.address], release=["kept"]
+        )
     finally:
         stream.close()
     assert kept.sequences[0].sampled_token_id == new.sequences[0].sampled_token_id == oracle["s2"][0]
@@ -185,8 +191,12 @@ def test_hidden_states_in_the_header_are_one_message_and_must_be_whole(chain, ck
         stream.close()
     stream = StepStream(first.channel)
     try:  # the first stage embeds token ids: hidden states are refused there
-        header = stage_pb2.StepHeader(step_id=7, sequences=[seq_input("f", [0], [1])], route=[last.address],
-                                      hidden=next(chunk(torch.zeros(1, HIDDEN), 1 << 20)))
+        header = stage_pb2.StepHeader(
+            step_id=7,
+            sequences=[seq_input("f", [0], [1])],
+            route=[last.address],
+            hidden=next(chunk(torch.zeros(1, HIDDEN), 1 << 20)),
+        )
         stream.send([stage_pb2.StepFrame(header=header)])
         result = stream.receive()
         assert (result.step_id, result.error.code) == (7, INVALID)
@@ -198,7 +208,10 @@ def test_hidden_states_in_the_header_are_one_message_and_must_be_whole(chain, ck
 
 def _frame(**chunk_fields) -> list[stage_pb2.StepFrame]:
     header = stage_pb2.StepHeader(step_id=77, sequences=[seq_input("m", [0, 1])])
-    return [stage_pb2.StepFrame(header=header), stage_pb2.StepFrame(hidden_chunk=tensor_pb2.TensorChunk(**chunk_fields))]
+    return [
+        stage_pb2.StepFrame(header=header),
+        stage_pb2.StepFrame(hidden_chunk=tensor_pb2.TensorChunk(**chunk_fields)),
+    ]
 
 
 MALFORMED = {
@@ -250,7 +263,12 @@ def test_malformed_frames_get_invalid_argument_and_the_stage_keeps_serving(chain
             route=[last.address],
         )
         errors = {r.sequence_id: (r.error.code, r.error.message) for r in bad.sequences}
-        assert {k: c for k, (c, _) in errors.items()} == {"vocab": INVALID, "ghost": INVALID, "ok": INVALID, "ok2": INVALID}
+        assert {k: c for k, (c, _) in errors.items()} == {
+            "vocab": INVALID,
+            "ghost": INVALID,
+            "ok": INVALID,
+            "ok2": INVALID,
+        }
         assert "outside the vocabulary [0, 211)" in errors["vocab"][1]
         assert "unknown sequence id 'ghost'" in errors["ghost"][1]
         assert "start at 7, expected 5" in errors["ok"][1]
@@ -278,9 +296,16 @@ def test_last_stage_answers_a_subscriber_directly_and_the_chain_with_an_acknowle
     prompt = PROMPTS["s3"]
 
     def header(step_id, seqs, reply_id, route=(last.address,)):
-        return [stage_pb2.StepFrame(header=stage_pb2.StepHeader(
-            step_id=step_id, route=list(route), sequences=seqs,
-            reply=stage_pb2.DirectReply(subscriber="sub", step_id=reply_id)))]
+        return [
+            stage_pb2.StepFrame(
+                header=stage_pb2.StepHeader(
+                    step_id=step_id,
+                    route=list(route),
+                    sequences=seqs,
+                    reply=stage_pb2.DirectReply(subscriber="sub", step_id=reply_id),
+                )
+            )
+        ]
 
     stream = StepStream(first.channel)
     try:
@@ -318,8 +343,7 @@ def test_last_stage_answers_a_subscriber_directly_and_the_chain_with_an_acknowle
         stream.close()
         subscription.cancel()
     for stage in chain:
-        stage_pb2_grpc.StageWorkerStub(stage.channel).Release(
-            stage_pb2.ReleaseRequest(sequence_ids=["d1", "d2", "d4"]))
+        stage_pb2_grpc.StageWorkerStub(stage.channel).Release(stage_pb2.ReleaseRequest(sequence_ids=["d1", "d2", "d4"]))
     with pytest.raises(grpc.RpcError) as err:
         next(results(stage_pb2.ResultsRequest(subscriber="")))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -367,7 +391,9 @@ def test_bad_command_lines_fail_with_a_clear_message(ckpt, tmp_path):
     ]:
         done = subprocess.run(
             [sys.executable, "-m", "layerline", "stage", "--model", str(ckpt), *args],
-            capture_output=True, text=True, timeout=60,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert done.returncode == 2, done.stderr
         assert message in done.stderr and "Traceback" not in done.stderr, done.stderr

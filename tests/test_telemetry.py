@@ -28,6 +28,12 @@ from unittest import mock
 
 import grpc
 import pytest
+from layerline.client import AsyncClient, Client, Completion, InvalidArgument
+from layerline.coordinator.scheduler import Outcome, PlannedStep, Sequence, Slice, StepFailed
+from layerline.coordinator.telemetry import StepSpans
+from layerline.shared.sampling import SamplingParams
+from layerline.shared.telemetry import Telemetry, TelemetrySettings
+from layerline.stage_worker.step_telemetry import BusyClock
 from opentelemetry import propagate
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1 import common_pb2 as otlp_common_pb2
@@ -35,17 +41,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanContext, StatusCode, get_current_span, set_span_in_context
-from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from layerline.cli import main
-from layerline.client import AsyncClient, Client, Completion, InvalidArgument
-from layerline.coordinator.scheduler import Outcome, PlannedStep, Sequence, Slice, StepFailed
-from layerline.coordinator.telemetry import StepSpans
 from layerline.launcher import ClusterPlan, LocalCluster
-from layerline.shared.sampling import SamplingParams
-from layerline.stage_worker.step_telemetry import BusyClock
-from layerline.shared.telemetry import Telemetry, TelemetrySettings
 
 from .stage_client import free_port, free_ports
 from .tiny_models import make_tiny_checkpoint, write_byte_tokenizer
@@ -99,13 +99,21 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
                 resource = {a.key: _value(a.value) for a in rs.resource.attributes}
                 for ss in rs.scope_spans:
                     for s in ss.spans:
-                        out.append(ReceivedSpan(
-                            service=str(resource["service.name"]), name=s.name, trace_id=s.trace_id.hex(),
-                            span_id=s.span_id.hex(), parent_id=s.parent_span_id.hex(), kind=s.kind,
-                            start=s.start_time_unix_nano, end=s.end_time_unix_nano,
-                            attributes={a.key: _value(a.value) for a in s.attributes},
-                            status_code=s.status.code, status_message=s.status.message,
-                        ))
+                        out.append(
+                            ReceivedSpan(
+                                service=str(resource["service.name"]),
+                                name=s.name,
+                                trace_id=s.trace_id.hex(),
+                                span_id=s.span_id.hex(),
+                                parent_id=s.parent_span_id.hex(),
+                                kind=s.kind,
+                                start=s.start_time_unix_nano,
+                                end=s.end_time_unix_nano,
+                                attributes={a.key: _value(a.value) for a in s.attributes},
+                                status_code=s.status.code,
+                                status_message=s.status.message,
+                            )
+                        )
         return out
 
     def stop(self) -> None:
@@ -134,8 +142,11 @@ def scrape_when_idle(ports: dict[str, int], *, timeout: float = 60.0) -> dict[st
 def value(families: dict[str, Metric], family: str, sample: str | None = None, **labels: str) -> float:
     """The sum of a family's samples named `sample` (default: the family) whose labels include `labels`."""
     name = sample or family
-    found = [s.value for s in families[family].samples
-             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+    found = [
+        s.value
+        for s in families[family].samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    ]
     assert found, (name, labels, families[family].samples)
     return sum(found)
 
@@ -165,9 +176,17 @@ class TracedRun:
 @pytest.fixture(scope="module")
 def traced(checkpoint, tmp_path_factory) -> Iterator[TracedRun]:
     receiver = OtlpReceiver()
-    plan = ClusterPlan(model=str(checkpoint), layer_ranges=((0, 2), (2, 4)), port=free_port(),
-                       log_dir=tmp_path_factory.mktemp("traced-logs"), kv_memory="4M", threads=1,
-                       trace="otlp", otlp_endpoint=f"127.0.0.1:{receiver.port}", metrics_port=free_ports(3))
+    plan = ClusterPlan(
+        model=str(checkpoint),
+        layer_ranges=((0, 2), (2, 4)),
+        port=free_port(),
+        log_dir=tmp_path_factory.mktemp("traced-logs"),
+        kv_memory="4M",
+        threads=1,
+        trace="otlp",
+        otlp_endpoint=f"127.0.0.1:{receiver.port}",
+        metrics_port=free_ports(3),
+    )
     cluster = LocalCluster(plan, checkpoint)
     cluster.start()
     try:
@@ -190,8 +209,13 @@ def traced(checkpoint, tmp_path_factory) -> Iterator[TracedRun]:
         cluster.stop()
     receiver.stop()
     yield TracedRun(
-        caller=caller.get_span_context(), traced=first, chat=chat, concurrent=rest, spans=receiver.spans(),
-        exports=receiver.requests, metrics=metrics,
+        caller=caller.get_span_context(),
+        traced=first,
+        chat=chat,
+        concurrent=rest,
+        spans=receiver.spans(),
+        exports=receiver.requests,
+        metrics=metrics,
         stage_addresses={f"{w.worker.layer_start}:{w.worker.layer_end}": w.worker.address for w in status.workers},
         exit_codes=[p.returncode for _, p in cluster.procs],
     )
@@ -253,8 +277,11 @@ def test_one_request_is_one_trace_over_the_coordinator_and_both_stages(traced):
 
 
 def test_concurrent_requests_each_get_their_own_view_of_every_hop(traced):
-    requests = [s for s in _request_spans(traced) if s.attributes["gen_ai.usage.input_tokens"] > 0
-                and s.status_code != STATUS_ERROR and s.parent_id == ""]
+    requests = [
+        s
+        for s in _request_spans(traced)
+        if s.attributes["gen_ai.usage.input_tokens"] > 0 and s.status_code != STATUS_ERROR and s.parent_id == ""
+    ]
     assert len(requests) == len(traced.concurrent)
     by_prompt = {len(PROMPTS[i + 1].encode()): c for i, c in enumerate(traced.concurrent)}
     for request in requests:
@@ -298,7 +325,8 @@ def test_step_spans_carry_each_hops_figures(traced):
             assert a["layerline.step.deserialize_seconds"] > 0
     steps = [s for s in traced.spans if s.name == "step"]
     assert {s.attributes["layerline.chain"] for s in steps} == {
-        f"{traced.stage_addresses['0:2']} -> {traced.stage_addresses['2:4']}"}
+        f"{traced.stage_addresses['0:2']} -> {traced.stage_addresses['2:4']}"
+    }
 
 
 def test_a_chat_is_a_chat_span_with_its_own_trace(traced):
@@ -331,8 +359,11 @@ def test_otlp_exports_from_every_process_reach_the_receiver_and_decode(traced):
 def test_prometheus_histograms_count_the_requests_that_were_made(traced):
     done = [traced.traced, traced.chat, *traced.concurrent]
     coordinator = traced.metrics["coordinator"]
-    for histogram in ("layerline_time_to_first_token_seconds", "layerline_e2e_request_latency_seconds",
-                      "layerline_request_queue_time_seconds"):
+    for histogram in (
+        "layerline_time_to_first_token_seconds",
+        "layerline_e2e_request_latency_seconds",
+        "layerline_request_queue_time_seconds",
+    ):
         assert value(coordinator, histogram, f"{histogram}_count") == len(done), histogram
     itl = "layerline_inter_token_latency_seconds"
     assert value(coordinator, itl, f"{itl}_count") == sum(c.usage.completion_tokens - 1 for c in done)
@@ -341,7 +372,8 @@ def test_prometheus_histograms_count_the_requests_that_were_made(traced):
         assert value(coordinator, "layerline_requests", "layerline_requests_total", finish_reason=reason) == n
     assert value(coordinator, "layerline_requests", "layerline_requests_total", finish_reason="error") == 1
     assert value(coordinator, "layerline_generation_tokens", "layerline_generation_tokens_total") == sum(
-        c.usage.completion_tokens for c in done)
+        c.usage.completion_tokens for c in done
+    )
     assert value(coordinator, "layerline_failovers", "layerline_failovers_total") == 0
     assert value(coordinator, "layerline_num_requests_waiting") == 0
     assert "layerline_num_requests_running" in coordinator
@@ -364,17 +396,27 @@ def test_prometheus_stage_metrics_count_steps_bytes_and_kv_blocks(traced):
         assert value(families, "layerline_kv_blocks_used", layers=layers) >= 0
         assert 0 <= value(families, "layerline_pipeline_bubble_fraction", layers=layers) <= 1
         active = value(families, "layerline_stage_active_seconds", "layerline_stage_active_seconds_total")
-        assert 0 < active and 0 <= value(families, "layerline_stage_bubble_seconds",
-                                         "layerline_stage_bubble_seconds_total") <= active
+        assert (
+            0 < active
+            and 0 <= value(families, "layerline_stage_bubble_seconds", "layerline_stage_bubble_seconds_total") <= active
+        )
 
 
 def test_with_tracing_off_no_span_is_created(checkpoint, tmp_path):
     """The OTLP environment points at a receiver, a caller sends its context: still no span."""
     receiver = OtlpReceiver()
-    environment = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}",
-                   "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{receiver.port}"}
-    plan = ClusterPlan(model=str(checkpoint), layer_ranges=((0, 2), (2, 4)), port=free_port(), log_dir=tmp_path,
-                       kv_memory="4M", threads=1)
+    environment = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{receiver.port}",
+    }
+    plan = ClusterPlan(
+        model=str(checkpoint),
+        layer_ranges=((0, 2), (2, 4)),
+        port=free_port(),
+        log_dir=tmp_path,
+        kv_memory="4M",
+        threads=1,
+    )
     cluster = LocalCluster(plan, checkpoint)
     with mock.patch.dict(os.environ, environment):
         cluster.start()
@@ -411,11 +453,14 @@ def test_telemetry_off_builds_no_tracer_and_no_meter():
     telemetry.shutdown()
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--trace", "otlp", "--otlp-endpoint", "collector"], "--otlp-endpoint 'collector' is not HOST:PORT"),
-    (["--otlp-endpoint", "127.0.0.1:4317"], "--otlp-endpoint is given but --trace is off"),
-    (["--metrics-port", "70000"], "--metrics-port 70000 must be in [0, 65535]"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--trace", "otlp", "--otlp-endpoint", "collector"], "--otlp-endpoint 'collector' is not HOST:PORT"),
+        (["--otlp-endpoint", "127.0.0.1:4317"], "--otlp-endpoint is given but --trace is off"),
+        (["--metrics-port", "70000"], "--metrics-port 70000 must be in [0, 65535]"),
+    ],
+)
 def test_bad_telemetry_flags_are_clear_errors(args, message, capsys):
     assert main(["coordinator", *args]) == 2
     assert message in capsys.readouterr().err
@@ -466,7 +511,8 @@ def test_step_spans_are_children_of_their_requests_and_say_what_failed():
 
     carriers: list[dict[str, str]] = [{}, {}, {}]
     StepSpans(tracer, step, carriers, chain="a -> b").done(
-        [Outcome("s0", token_id=5), Outcome("s1", error_code=8, error_message="KV cache full"), Outcome("s2", 6)])
+        [Outcome("s0", token_id=5), Outcome("s1", error_code=8, error_message="KV cache full"), Outcome("s2", 6)]
+    )
     by_parent = {span.parent.span_id: span for span in exported.get_finished_spans()}
     ok, full = (by_parent[r.get_span_context().span_id] for r in requests[:2])
     assert len(by_parent) == 2 and ok.name == full.name == "step"
@@ -479,7 +525,8 @@ def test_step_spans_are_children_of_their_requests_and_say_what_failed():
 
     exported.clear()
     StepSpans(tracer, step, [{}, {}, {}], chain="a -> b").failed(
-        StepFailed(14, "stage b is unreachable", failed_address="b"))
+        StepFailed(14, "stage b is unreachable", failed_address="b")
+    )
     failed = exported.get_finished_spans()
     assert len(failed) == 2
     for span in failed:

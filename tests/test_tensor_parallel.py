@@ -7,7 +7,6 @@ import multiprocessing as mp
 
 import pytest
 import torch
-
 from layerline.shared.model_config import ConfigError, LayerRange, ModelConfig
 from layerline.stage_worker.parallel import TensorParallel, shards_for
 from layerline.stage_worker.weights import CheckpointReader, load_stage
@@ -26,12 +25,19 @@ def _rank(path: str, rank: int, size: int, port: int, out: mp.Queue, device: str
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=60),
+    )
     try:
         tp = TensorParallel(rank=rank, size=size, group=dist.group.WORLD)
         reader = CheckpointReader(path)
-        stage = load_stage(path, LayerRange(0, 4), tp=tp, reader=reader, device=f"{device}:{rank}" if device == "cuda" else "cpu")
+        stage = load_stage(
+            path, LayerRange(0, 4), tp=tp, reader=reader, device=f"{device}:{rank}" if device == "cuda" else "cpu"
+        )
         pipe = LocalPipeline([stage])
         logits = pipe.step({"x": PROMPTS["a"]}, all_logits=True)
         tokens = LocalPipeline([stage]).greedy(PROMPTS, 16)
@@ -69,7 +75,7 @@ def test_tp_ranks_match_tp1_and_transformers(tmp_path, family, size):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, pad_token_id=0)
         for rank in range(size):
-            assert results[rank][1][name] == ref[0, len(ids):].tolist(), (name, rank)
+            assert results[rank][1][name] == ref[0, len(ids) :].tolist(), (name, rank)
     for rank in range(size):
         torch.testing.assert_close(torch.tensor(results[rank][0]), reference, atol=1e-4, rtol=0)
     # Each rank read only its own slices: the q rows of its heads, never a whole sharded tensor.
@@ -78,8 +84,14 @@ def test_tp_ranks_match_tp1_and_transformers(tmp_path, family, size):
         shards = shards_for(config, TensorParallel(rank=rank, size=size))
         q_slices = [s for s in results[rank][2] if s[0] == "model.layers.0.self_attn.q_proj.weight"]
         d = config.head_dim
-        assert q_slices == [("model.layers.0.self_attn.q_proj.weight", 0, shards.head_start * d,
-                             (shards.head_start + shards.num_heads) * d)]
+        assert q_slices == [
+            (
+                "model.layers.0.self_attn.q_proj.weight",
+                0,
+                shards.head_start * d,
+                (shards.head_start + shards.num_heads) * d,
+            )
+        ]
         per_rank = -(-211 // size)
         vocab = [s[1:] for s in results[rank][2] if s[0] == "model.embed_tokens.weight"]
         assert vocab == [(0, rank * per_rank, min((rank + 1) * per_rank, 211))]
@@ -156,10 +168,13 @@ def _generate_through_the_sdk(model_dir, tmp_path, prompts: list[str], n: int, *
     import asyncio
 
     from layerline.client import AsyncClient
+
     from layerline.launcher import ClusterPlan, LocalCluster
 
-    cluster = LocalCluster(ClusterPlan(model=str(model_dir), port=free_port(), log_dir=tmp_path / "logs",
-                                       kv_memory="32M", **plan), model_dir)
+    cluster = LocalCluster(
+        ClusterPlan(model=str(model_dir), port=free_port(), log_dir=tmp_path / "logs", kv_memory="32M", **plan),
+        model_dir,
+    )
     cluster.start()
     try:
         status = cluster.wait_ready(timeout=180)
@@ -178,8 +193,9 @@ def _generate_through_the_sdk(model_dir, tmp_path, prompts: list[str], n: int, *
 @pytest.mark.real_model
 def test_smollm2_at_tp_3_through_the_sdk_equals_transformers(real_model_dir, tmp_path, hf_greedy):
     prompts = ["Once upon a time", "The three primary colors are"]
-    got, status = _generate_through_the_sdk(real_model_dir, tmp_path, prompts, 16, stages=1, tp=3,
-                                            stage_args=("--weight-layout", "packed"))
+    got, status = _generate_through_the_sdk(
+        real_model_dir, tmp_path, prompts, 16, stages=1, tp=3, stage_args=("--weight-layout", "packed")
+    )
     assert got == [hf_greedy(p, 16) for p in prompts]
     # Each rank holds a third of every sharded tensor: 54,298,944 float32 parameters, not 162.8M
     # (with the packed layout alone, a weight is held once).
@@ -206,6 +222,6 @@ def test_two_stages_of_tp_2_through_the_sdk_equal_transformers(real_model_dir, t
         ids = tok(p)["input_ids"]
         with torch.no_grad():
             out = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=0)
-        expected.append(out[0, len(ids):].tolist())
+        expected.append(out[0, len(ids) :].tolist())
     # The random model may emit an end-of-sequence id (2) before 12 tokens: the cluster stops there.
     assert got == [e[: e.index(2) + 1] if 2 in e else e for e in expected]

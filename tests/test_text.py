@@ -34,7 +34,7 @@ TEXTS = [
     "tabs\tand\nnew\n\nlines\r\n",
     "digits 1234567890 and 3.14159",
     "héllo wörld, ça va? naïve façade",
-    "世界你好，这是一个测试。",
+    "世界你好，这是一个测试。",  # noqa: RUF001 (a fullwidth comma, on purpose)
     "emoji 🎉🚀 and a family 👨‍👩‍👧 and flags 🇫🇷",
     "mixed: Ελληνικά, русский, العربية, हिन्दी",
     "code: def f(x):\n    return x ** 2  # square",
@@ -308,7 +308,7 @@ def test_deltas_never_split_a_character(real_text: TextModel, text: str) -> None
 @pytest.mark.real_model
 def test_detokenizer_skips_special_tokens_and_keeps_a_short_window(real_text: TextModel) -> None:
     im_end = 2
-    ids = (real_text.encode(" ".join(TEXTS)) + [im_end]) * 8
+    ids = ([*real_text.encode(" ".join(TEXTS)), im_end]) * 8
     counting = CountingText(real_text)
     deltas = stream(IncrementalDetokenizer(counting, []), ids)  # type: ignore[arg-type]
     assert "".join(deltas) == real_text.decode(ids)
@@ -332,7 +332,7 @@ def test_sentencepiece_style_spacing(tmp_path: Path) -> None:
     tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>", "<s>", "</s>"]))
     directory = write_checkpoint(tmp_path, tok, {"eos_token": "</s>"})
     text, hf = TextModel.from_checkpoint(directory), hf_tokenizer(directory)
-    ids = text.encode("hello there, the lazy fox jumps") + [2] + text.encode(" over the dog")
+    ids = [*text.encode("hello there, the lazy fox jumps"), 2, *text.encode(" over the dog")]
     assert text.decode(ids) == hf.decode(ids, skip_special_tokens=True)
     deltas = stream(IncrementalDetokenizer(text, text.encode("the quick")), ids)
     assert "".join(deltas) == text.decode(ids)

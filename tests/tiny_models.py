@@ -22,22 +22,23 @@ FAMILIES = {
         rope_theta=500000.0,
     ),
     # Llama 2 style: multi-head attention, with attention and MLP biases.
-    "llama2": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=4,
-                   attention_bias=True, mlp_bias=True),
+    "llama2": dict(
+        model_type="llama", num_attention_heads=4, num_key_value_heads=4, attention_bias=True, mlp_bias=True
+    ),
     # Mistral: GQA and a sliding window shorter than the test sequences.
-    "mistral": dict(model_type="mistral", num_attention_heads=4, num_key_value_heads=1,
-                    sliding_window=7, head_dim=16),
+    "mistral": dict(model_type="mistral", num_attention_heads=4, num_key_value_heads=1, sliding_window=7, head_dim=16),
     # Qwen2: q/k/v bias, tied embeddings.
-    "qwen2": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2,
-                  tie_word_embeddings=True),
+    "qwen2": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
     # For tensor parallelism at tp 2 and 3: 6 heads, 1 KV head (replicated on every rank).
     "tp_mqa": dict(model_type="llama", num_attention_heads=6, num_key_value_heads=1, intermediate_size=96),
     # 6 heads, 3 KV heads, q/k/v bias, tied embeddings: tp 3 gives each rank one KV head.
-    "tp_gqa": dict(model_type="qwen2", num_attention_heads=6, num_key_value_heads=3, intermediate_size=96,
-                   tie_word_embeddings=True),
+    "tp_gqa": dict(
+        model_type="qwen2", num_attention_heads=6, num_key_value_heads=3, intermediate_size=96, tie_word_embeddings=True
+    ),
     # SmolLM2 shape: Llama with GQA 3:1 and tied embeddings.
-    "smollm2": dict(model_type="llama", num_attention_heads=6, num_key_value_heads=2,
-                    tie_word_embeddings=True, rope_theta=100000.0),
+    "smollm2": dict(
+        model_type="llama", num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=100000.0
+    ),
 }
 
 

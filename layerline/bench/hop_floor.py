@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass
 import grpc
 
 from layerline.launcher import head_weight, split_layers
-from layerline.shared.rpc import listen, server_options
 from layerline.shared.model_config import ModelConfig
+from layerline.shared.rpc import listen, server_options
 
 SERVICE = "layerline.HopFloor"
 READY_TIMEOUT_S = 300.0  # a relay stage builds its random weights before it listens
@@ -57,11 +57,17 @@ class Shapes:
     o_width: int  # num_heads * head_dim
 
     @classmethod
-    def of(cls, config: dict) -> "Shapes":
+    def of(cls, config: dict) -> Shapes:
         """From a checkpoint's config.json, read and checked as a stage reads it."""
         c = ModelConfig.from_dict(config)
-        return cls(c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers,
-                   (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.num_heads * c.head_dim)
+        return cls(
+            c.vocab_size,
+            c.hidden_size,
+            c.intermediate_size,
+            c.num_layers,
+            (c.num_heads + 2 * c.num_kv_heads) * c.head_dim,
+            c.num_heads * c.head_dim,
+        )
 
 
 async def _serve_stage(port: int, shapes: Shapes, start: int, end: int, next_address: str | None) -> None:
@@ -75,10 +81,17 @@ async def _serve_stage(port: int, shapes: Shapes, start: int, end: int, next_add
     h, i = shapes.hidden_size, shapes.intermediate_size
 
     def weight(seed: int, rows: int, cols: int) -> torch.Tensor:
-        return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * cols ** -0.5
+        return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * cols**-0.5
 
-    layers = [(weight(4 * n, shapes.qkv_width, h), weight(4 * n + 1, h, shapes.o_width),
-               weight(4 * n + 2, 2 * i, h), weight(4 * n + 3, h, i)) for n in range(start, end)]
+    layers = [
+        (
+            weight(4 * n, shapes.qkv_width, h),
+            weight(4 * n + 1, h, shapes.o_width),
+            weight(4 * n + 2, 2 * i, h),
+            weight(4 * n + 3, h, i),
+        )
+        for n in range(start, end)
+    ]
     embedding = weight(EMBEDDING_SEED, shapes.vocab_size, h) if start == 0 else None
     head = weight(HEAD_SEED, shapes.vocab_size, h) if end == shapes.num_layers else None
     limits = CodecLimits()
@@ -105,8 +118,11 @@ async def _serve_stage(port: int, shapes: Shapes, start: int, end: int, next_add
                 assert next_address is not None
                 if not downstream:  # every stage listens by now: the driver waited for them all
                     channel = grpc.aio.insecure_channel(next_address)
-                    downstream.append(channel.stream_stream(f"/{SERVICE}/Step", request_serializer=_raw,
-                                                            response_deserializer=_raw)(wait_for_ready=True))
+                    downstream.append(
+                        channel.stream_stream(f"/{SERVICE}/Step", request_serializer=_raw, response_deserializer=_raw)(
+                            wait_for_ready=True
+                        )
+                    )
                 await downstream[0].write(encode(x).SerializeToString())
             else:
                 answers["now"].put_nowait(int(F.linear(x, head).argmax()).to_bytes(4, "little"))
@@ -119,10 +135,17 @@ async def _serve_stage(port: int, shapes: Shapes, start: int, end: int, next_add
             yield await queue.get()
 
     server = grpc.aio.server(options=server_options())
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
-        "Step": grpc.stream_stream_rpc_method_handler(step, _raw, _raw),
-        "Results": grpc.unary_stream_rpc_method_handler(results, _raw, _raw),
-    }),))
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                SERVICE,
+                {
+                    "Step": grpc.stream_stream_rpc_method_handler(step, _raw, _raw),
+                    "Results": grpc.unary_stream_rpc_method_handler(results, _raw, _raw),
+                },
+            ),
+        )
+    )
     listen(server, f"127.0.0.1:{port}")
     await server.start()
     await server.wait_for_termination()
@@ -141,8 +164,9 @@ async def _drive(first: str, last: str, tokens: int) -> tuple[list[int], float]:
             try:
                 answer = await asyncio.wait_for(results.read(), TOKEN_TIMEOUT_S)
             except TimeoutError:
-                raise TimeoutError(f"the bare relay {first} .. {last} returned no token {i} within "
-                                   f"{TOKEN_TIMEOUT_S:.0f} s") from None
+                raise TimeoutError(
+                    f"the bare relay {first} .. {last} returned no token {i} within {TOKEN_TIMEOUT_S:.0f} s"
+                ) from None
             if answer is grpc.aio.EOF:
                 raise RuntimeError(f"the bare relay's results stream from {last} ended")
             token = int.from_bytes(answer, "little")
@@ -150,11 +174,12 @@ async def _drive(first: str, last: str, tokens: int) -> tuple[list[int], float]:
             out.append(token)
         results.cancel()
         await steps.done_writing()
-    return out, 1000 * statistics.median(gaps[len(gaps) // 10:])  # past the first tenth: warm
+    return out, 1000 * statistics.median(gaps[len(gaps) // 10 :])  # past the first tenth: warm
 
 
-async def _rounds(one: str, first: str, last: str, *, rounds: int, tokens: int,
-                  log: Callable[[str], None]) -> tuple[list[float], list[float]]:
+async def _rounds(
+    one: str, first: str, last: str, *, rounds: int, tokens: int, log: Callable[[str], None]
+) -> tuple[list[float], list[float]]:
     """Interleaved rounds, 1 stage then 2, on one event loop: each relay's median gap per round."""
     one_gaps: list[float] = []
     two_gaps: list[float] = []
@@ -165,8 +190,10 @@ async def _rounds(one: str, first: str, last: str, *, rounds: int, tokens: int,
             raise RuntimeError("the 1-stage and 2-stage relays returned different tokens")
         one_gaps.append(one_gap)
         two_gaps.append(two_gap)
-        log(f"hop floor round {r + 1}/{rounds}: bare relay, a token every {one_gap:.2f} ms on 1 stage, "
-            f"{two_gap:.2f} ms on 2: {two_gap - one_gap:.2f} ms a hop")
+        log(
+            f"hop floor round {r + 1}/{rounds}: bare relay, a token every {one_gap:.2f} ms on 1 stage, "
+            f"{two_gap:.2f} ms on 2: {two_gap - one_gap:.2f} ms a hop"
+        )
     return one_gaps, two_gaps
 
 
@@ -180,16 +207,34 @@ class HopFloor:
     tokens: int  # per stream and round
 
 
-def measure_hop_floor(config: dict, *, rounds: int = 5, tokens: int = 64, port: int = 7190,
-                      log: Callable[[str], None] = lambda _: None) -> HopFloor:
+def measure_hop_floor(
+    config: dict, *, rounds: int = 5, tokens: int = 64, port: int = 7190, log: Callable[[str], None] = lambda _: None
+) -> HopFloor:
     """Start the relays (ports `port`..`port + 2`), measure, stop them; raise if their tokens differ."""
     shapes = Shapes.of(config)
     ranges = split_layers(shapes.num_layers, 2, head_weight=head_weight(config))
-    plan = [(port, 0, shapes.num_layers, None),
-            (port + 1, *ranges[0], f"127.0.0.1:{port + 2}"), (port + 2, *ranges[1], None)]
-    procs = [subprocess.Popen([sys.executable, "-m", "layerline.bench.hop_floor", "--port", str(p), "--layers", f"{a}:{b}",
-                               "--shapes", json.dumps(asdict(shapes)), *(["--next", n] if n else [])])
-             for p, a, b, n in plan]
+    plan = [
+        (port, 0, shapes.num_layers, None),
+        (port + 1, *ranges[0], f"127.0.0.1:{port + 2}"),
+        (port + 2, *ranges[1], None),
+    ]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "layerline.bench.hop_floor",
+                "--port",
+                str(p),
+                "--layers",
+                f"{a}:{b}",
+                "--shapes",
+                json.dumps(asdict(shapes)),
+                *(["--next", n] if n else []),
+            ]
+        )
+        for p, a, b, n in plan
+    ]
     try:
         for proc, (p, *_) in zip(procs, plan):
             _wait_listening(proc, p)
@@ -213,15 +258,19 @@ def _wait_listening(proc: subprocess.Popen[bytes], port: int) -> None:
                 return
             except grpc.FutureTimeoutError:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"the bare relay stage on port {port} exited with code {proc.returncode}") from None
+                    raise RuntimeError(
+                        f"the bare relay stage on port {port} exited with code {proc.returncode}"
+                    ) from None
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"the bare relay stage on port {port} did not listen within "
-                                       f"{READY_TIMEOUT_S:.0f} s") from None
+                    raise TimeoutError(
+                        f"the bare relay stage on port {port} did not listen within {READY_TIMEOUT_S:.0f} s"
+                    ) from None
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m layerline.bench.hop_floor",
-                                     description="One bare relay stage (started by measure_hop_floor).")
+    parser = argparse.ArgumentParser(
+        prog="python -m layerline.bench.hop_floor", description="One bare relay stage (started by measure_hop_floor)."
+    )
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--layers", required=True, metavar="START:END")
     parser.add_argument("--shapes", required=True, metavar="JSON")

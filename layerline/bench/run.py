@@ -16,6 +16,7 @@ for a hop before any of layerline's own work. transformers is needed here only, 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import statistics
@@ -28,15 +29,16 @@ from pathlib import Path
 
 import grpc
 
-from layerline.client import AsyncClient, Client
 from layerline.bench.hop_floor import measure_hop_floor
+from layerline.client import AsyncClient, Client
 from layerline.launcher import ClusterPlan, LocalCluster
 from layerline.protos.v1 import stage_pb2, stage_pb2_grpc
 
 PROMPT = "Write a long story about a dragon who learns to paint. Once upon a time"
 # About 300 tokens, for the time to the first token of a long prompt (prefill, not decoding).
-LONG_PROMPT = " ".join(f"Rule {i}: answer briefly, mention the price of bread number {i} when asked, and stay polite."
-                       for i in range(14))
+LONG_PROMPT = " ".join(
+    f"Rule {i}: answer briefly, mention the price of bread number {i} when asked, and stay polite." for i in range(14)
+)
 BUDGETS = {  # ratio name -> the least it may be (DESIGN.md, performance budgets)
     "single_stream_1_stage_vs_transformers": 1.3,
     "single_stream_2_stages_vs_1_stage": 0.9,
@@ -156,12 +158,17 @@ def cluster_single(address: str, n: int) -> Stream:
         finally:
             clocks.close()
     first, last = arrivals[0], arrivals[-1]
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:]) if b > a]  # tokens of one message: one gap
+    gaps = [b - a for a, b in itertools.pairwise(arrivals) if b > a]  # tokens of one message: one gap
     mean_gap = (last - first) / max(len(arrivals) - 1, 1)
     # A step advances this one sequence by a token: per stage, its mean compute per step.
     compute = sum((s1 - s0) / (n1 - n0) for (n0, s0), (n1, s1) in zip(before, after) if n1 > n0)
-    return Stream(first - start, 1 / max(mean_gap, 1e-9), 1000 * statistics.median(gaps),
-                  1000 * compute, 1000 * (mean_gap - compute))
+    return Stream(
+        first - start,
+        1 / max(mean_gap, 1e-9),
+        1000 * statistics.median(gaps),
+        1000 * compute,
+        1000 * (mean_gap - compute),
+    )
 
 
 def cluster_aggregate(address: str, streams: int, n: int) -> float:
@@ -198,8 +205,15 @@ def _show(value: object) -> str:
     return f"{value:.1f} tok/s"
 
 
-def run_bench(checkpoint: Path, *, dtype: str = "float32", new_tokens: int = 64, rounds: int = 5,
-              port: int = 7179, json_path: Path | None = None) -> BenchResult:
+def run_bench(
+    checkpoint: Path,
+    *,
+    dtype: str = "float32",
+    new_tokens: int = 64,
+    rounds: int = 5,
+    port: int = 7179,
+    json_path: Path | None = None,
+) -> BenchResult:
     threads = os.cpu_count() or 1
     result = BenchResult(model=checkpoint.name, dtype=dtype, threads=threads, new_tokens=new_tokens, rounds=rounds)
     _log(f"loading the transformers baseline ({dtype}, {threads} threads) ...")
@@ -209,9 +223,18 @@ def run_bench(checkpoint: Path, *, dtype: str = "float32", new_tokens: int = 64,
     clusters = {
         # Every round sends the same prompt: without the cache of finished requests' KV, each
         # round's first token is computed, as transformers computes it (live sharing stays on).
-        name: LocalCluster(ClusterPlan(model=str(checkpoint), dtype=dtype, port=port + i, kv_memory="256M",
-                                       log_dir=logs / name, coordinator_args=("--prefix-cache", "0"), **layout),
-                           checkpoint)
+        name: LocalCluster(
+            ClusterPlan(
+                model=str(checkpoint),
+                dtype=dtype,
+                port=port + i,
+                kv_memory="256M",
+                log_dir=logs / name,
+                coordinator_args=("--prefix-cache", "0"),
+                **layout,
+            ),
+            checkpoint,
+        )
         for i, (name, layout) in enumerate(layouts.items(), start=1)
     }
     try:
@@ -225,31 +248,45 @@ def run_bench(checkpoint: Path, *, dtype: str = "float32", new_tokens: int = 64,
             with Client(cluster.address) as client:
                 result.weights_bytes_per_rank[name] = max(w.weights_bytes for w in client.cluster().workers)
         _log("single streams ...")
-        singles = _rounds(rounds, {
-            "transformers": lambda: baseline.single(new_tokens),
-            "1_stage": lambda: cluster_single(one, new_tokens),
-            "2_stages": lambda: cluster_single(two, new_tokens),
-            "1_stage_tp3": lambda: cluster_single(tp3, new_tokens),
-        })
+        singles = _rounds(
+            rounds,
+            {
+                "transformers": lambda: baseline.single(new_tokens),
+                "1_stage": lambda: cluster_single(one, new_tokens),
+                "2_stages": lambda: cluster_single(two, new_tokens),
+                "1_stage_tp3": lambda: cluster_single(tp3, new_tokens),
+            },
+        )
         result.single_stream = {k: _median_stream(v) for k, v in singles.items()}
         _log("long prompts ...")
-        longs = _rounds(rounds, {
-            "transformers": baseline.long_ttft,
-            "1_stage": lambda: cluster_long_ttft(one),
-            "2_stages": lambda: cluster_long_ttft(two),
-        })
+        longs = _rounds(
+            rounds,
+            {
+                "transformers": baseline.long_ttft,
+                "1_stage": lambda: cluster_long_ttft(one),
+                "2_stages": lambda: cluster_long_ttft(two),
+            },
+        )
         result.long_prompt_ttft_s = {k: statistics.median(v) for k, v in longs.items()}
         result.long_prompt_tokens = int(baseline.long_ids.shape[1])
         _log("concurrent streams ...")
-        aggregates = _rounds(rounds, {
-            "transformers_batch_32": lambda: baseline.batch(32, new_tokens),
-            "2_stages_x32": lambda: cluster_aggregate(two, 32, new_tokens),
-            "1_stage_x32": lambda: cluster_aggregate(one, 32, new_tokens),
-        })
-        aggregates.update(_rounds(1, {
-            "2_stages_x1": lambda: cluster_aggregate(two, 1, new_tokens),
-            "2_stages_x8": lambda: cluster_aggregate(two, 8, new_tokens),
-        }))
+        aggregates = _rounds(
+            rounds,
+            {
+                "transformers_batch_32": lambda: baseline.batch(32, new_tokens),
+                "2_stages_x32": lambda: cluster_aggregate(two, 32, new_tokens),
+                "1_stage_x32": lambda: cluster_aggregate(one, 32, new_tokens),
+            },
+        )
+        aggregates.update(
+            _rounds(
+                1,
+                {
+                    "2_stages_x1": lambda: cluster_aggregate(two, 1, new_tokens),
+                    "2_stages_x8": lambda: cluster_aggregate(two, 8, new_tokens),
+                },
+            )
+        )
         result.aggregate_tokens_per_s = {k: statistics.median(v) for k, v in aggregates.items()}
     finally:
         for cluster in clusters.values():

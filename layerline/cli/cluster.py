@@ -12,10 +12,18 @@ from .support import HelpFormatter, Subcommands, add_telemetry_flags, reported_a
 def _model_flags(p: argparse.ArgumentParser) -> None:
     from layerline.model_store import DEFAULT_MODEL
 
-    p.add_argument("--model", default=DEFAULT_MODEL, metavar="M",
-                   help=f"checkpoint directory or known name (default: {DEFAULT_MODEL})")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                   help="dtype of weights and activations (default: float32)")
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        metavar="M",
+        help=f"checkpoint directory or known name (default: {DEFAULT_MODEL})",
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="dtype of weights and activations (default: float32)",
+    )
 
 
 def _cluster_flags(p: argparse.ArgumentParser) -> None:
@@ -25,9 +33,12 @@ def _cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel ranks per stage (default: 1)")
     p.add_argument("--port", type=int, default=7070, metavar="P", help="coordinator port (default: 7070)")
     p.add_argument("--kv-memory", default="256M", metavar="SIZE", help="KV pool per stage worker (default: 256M)")
-    add_telemetry_flags(p, metrics_port_help="serve Prometheus metrics from every process: the coordinator "
-                                             "on port P, the stage workers on P+1, P+2, ... (printed at start) "
-                                             "(default: 0, no metrics)")
+    add_telemetry_flags(
+        p,
+        metrics_port_help="serve Prometheus metrics from every process: the coordinator "
+        "on port P, the stage workers on P+1, P+2, ... (printed at start) "
+        "(default: 0, no metrics)",
+    )
 
 
 def _start_cluster(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -37,12 +48,25 @@ def _start_cluster(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     telemetry_settings(args, host="127.0.0.1")  # a bad flag fails here, before any process starts
     with reported_as_errors(ModelStoreError, ValueError):
         checkpoint = resolve_model(args.model)
-        plan = ClusterPlan(model=str(checkpoint), stages=args.stages, replicas=args.replicas, tp=args.tp,
-                           dtype=args.dtype, port=args.port, kv_memory=args.kv_memory, trace=args.trace,
-                           otlp_endpoint=args.otlp_endpoint, metrics_port=args.metrics_port)
+        plan = ClusterPlan(
+            model=str(checkpoint),
+            stages=args.stages,
+            replicas=args.replicas,
+            tp=args.tp,
+            dtype=args.dtype,
+            port=args.port,
+            kv_memory=args.kv_memory,
+            trace=args.trace,
+            otlp_endpoint=args.otlp_endpoint,
+            metrics_port=args.metrics_port,
+        )
         cluster = LocalCluster(plan, checkpoint)  # checks the split before anything starts
-    print(f"starting {args.replicas} x {args.stages} stage workers of {args.tp} rank(s) and a coordinator "
-          f"(logs in {cluster.log_dir}) ...", file=sys.stderr, flush=True)
+    print(
+        f"starting {args.replicas} x {args.stages} stage workers of {args.tp} rank(s) and a coordinator "
+        f"(logs in {cluster.log_dir}) ...",
+        file=sys.stderr,
+        flush=True,
+    )
     cluster.start()
     try:
         with reported_as_errors(RuntimeError, TimeoutError):
@@ -55,8 +79,11 @@ def _start_cluster(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     for name, port in cluster.metrics_ports.items():
         print(f"  metrics of {name}: http://{cluster.plan.host}:{port}/metrics", file=sys.stderr)
     if args.trace != "off":
-        where = ("each process's log" if args.trace == "console"
-                 else args.otlp_endpoint or "the OTEL_EXPORTER_OTLP_* endpoint")
+        where = (
+            "each process's log"
+            if args.trace == "console"
+            else args.otlp_endpoint or "the OTEL_EXPORTER_OTLP_* endpoint"
+        )
         print(f"  traces: {args.trace}, to {where}", file=sys.stderr)
     return cluster
 
@@ -81,8 +108,11 @@ def _stream_answer(target: str, args: argparse.Namespace, prompt: str | None, me
         for chunk in chunks:
             print(chunk.text, end="", flush=True)
             if chunk.finish_reason:
-                print(f"\n[{chunk.finish_reason}: {chunk.usage.prompt_tokens} prompt + "
-                      f"{chunk.usage.completion_tokens} completion tokens]", file=sys.stderr)
+                print(
+                    f"\n[{chunk.finish_reason}: {chunk.usage.prompt_tokens} prompt + "
+                    f"{chunk.usage.completion_tokens} completion tokens]",
+                    file=sys.stderr,
+                )
     print()
     return 0
 
@@ -121,8 +151,9 @@ def _run_chat(args: argparse.Namespace) -> int:
                 continue
             history.append({"role": "user", "content": line})
             reply = ""
-            for chunk in client.chat_stream(history, max_tokens=args.max_tokens, temperature=args.temperature,
-                                            seed=args.seed):
+            for chunk in client.chat_stream(
+                history, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+            ):
                 print(chunk.text, end="", flush=True)
                 reply += chunk.text
             print()
@@ -134,22 +165,30 @@ def _run_status(args: argparse.Namespace) -> int:
 
     with Client(args.target) as client, reported_as_errors(LayerlineError):
         status = client.cluster()
-    print(f"{len(status.chains)} chain(s), {status.active_requests} active, {status.queued_requests} queued, "
-          f"{status.failovers} failover(s) (gap last {status.last_failover_gap_seconds:.2f}s, "
-          f"max {status.max_failover_gap_seconds:.2f}s), {status.shared_prefix_tokens} prompt token(s) "
-          f"copied from another sequence's KV")
+    print(
+        f"{len(status.chains)} chain(s), {status.active_requests} active, {status.queued_requests} queued, "
+        f"{status.failovers} failover(s) (gap last {status.last_failover_gap_seconds:.2f}s, "
+        f"max {status.max_failover_gap_seconds:.2f}s), {status.shared_prefix_tokens} prompt token(s) "
+        f"copied from another sequence's KV"
+    )
     for chain in status.chains:
-        print(f"  chain {chain.replica}: {' -> '.join(chain.addresses)} ({chain.active_sequences} sequences; "
-              f"{chain.cached_prefixes} finished kept as a prefix cache, {chain.cached_prefix_tokens} tokens)")
-    print(f"{'address':22} {'layers':>9} {'replica':>7} {'tp':>3} {'state':12} {'pid':>7} {'kv free':>13} "
-          f"{'cached':>7} {'steps':>8} {'ms/step':>8}")
+        print(
+            f"  chain {chain.replica}: {' -> '.join(chain.addresses)} ({chain.active_sequences} sequences; "
+            f"{chain.cached_prefixes} finished kept as a prefix cache, {chain.cached_prefix_tokens} tokens)"
+        )
+    print(
+        f"{'address':22} {'layers':>9} {'replica':>7} {'tp':>3} {'state':12} {'pid':>7} {'kv free':>13} "
+        f"{'cached':>7} {'steps':>8} {'ms/step':>8}"
+    )
     for w in status.workers:
         layers = f"{w.layers[0]}:{w.layers[1]}"
         replica = "-" if w.replica is None else str(w.replica)
         kv = f"{w.load.kv_blocks_free}/{w.load.kv_blocks_total}"
         per_step = f"{1000 * w.load.compute_seconds / w.load.steps_computed:.1f}" if w.load.steps_computed else "-"
-        print(f"{w.address:22} {layers:>9} {replica:>7} {w.tp:>3} {w.state:12} {w.pid:>7} {kv:>13} "
-              f"{w.load.kv_blocks_cached:>7} {w.load.steps_computed:>8} {per_step:>8}")
+        print(
+            f"{w.address:22} {layers:>9} {replica:>7} {w.tp:>3} {w.state:12} {w.pid:>7} {kv:>13} "
+            f"{w.load.kv_blocks_cached:>7} {w.load.steps_computed:>8} {per_step:>8}"
+        )
     return 0
 
 
@@ -158,8 +197,14 @@ def _run_bench(args: argparse.Namespace) -> int:
     from layerline.model_store import ModelStoreError, resolve_model
 
     with reported_as_errors(ModelStoreError, RuntimeError, TimeoutError):
-        result = run_bench(resolve_model(args.model), dtype=args.dtype, new_tokens=args.new_tokens,
-                           rounds=args.rounds, port=args.port, json_path=args.json)
+        result = run_bench(
+            resolve_model(args.model),
+            dtype=args.dtype,
+            new_tokens=args.new_tokens,
+            rounds=args.rounds,
+            port=args.port,
+            json_path=args.json,
+        )
     missed = [name for name, ok in result.within_budget.items() if not ok]
     if missed:
         print(f"[bench] outside budget: {', '.join(missed)}", file=sys.stderr)
@@ -169,17 +214,19 @@ def _run_bench(args: argparse.Namespace) -> int:
 def add_cluster_commands(commands: Subcommands) -> None:
     """`layerline up | run | generate | chat | status`."""
     up = commands.add_parser(
-        "up", help="start a whole cluster on this machine",
+        "up",
+        help="start a whole cluster on this machine",
         description="Start a coordinator and stages x replicas stage workers, each its own OS "
-                    "process, layers split into ranges of about equal work (the last stage, which also "
-                    "runs the LM head, takes fewer); print the address when every chain is ready; "
-                    "stop every process on Ctrl-C or SIGTERM.",
+        "process, layers split into ranges of about equal work (the last stage, which also "
+        "runs the LM head, takes fewer); print the address when every chain is ready; "
+        "stop every process on Ctrl-C or SIGTERM.",
         formatter_class=HelpFormatter,
     )
     _cluster_flags(up)
     up.set_defaults(handler=_run_up)
     run = commands.add_parser(
-        "run", help="start a cluster, stream one answer, stop",
+        "run",
+        help="start a cluster, stream one answer, stop",
         description="Like `up`, then stream the answer to PROMPT and stop every process.",
         formatter_class=HelpFormatter,
     )
@@ -201,24 +248,34 @@ def add_cluster_commands(commands: Subcommands) -> None:
     status.add_argument("--target", default="127.0.0.1:7070", metavar="ADDR", help="coordinator address")
     status.set_defaults(handler=_run_status)
     bench = commands.add_parser(
-        "bench", help="measure decode speed against transformers, as ratios, and print JSON",
+        "bench",
+        help="measure decode speed against transformers, as ratios, and print JSON",
         description="Measure, in one run on this machine: transformers' generate (single stream "
-                    "and batch 32) as the baseline, and local clusters of 1 and 2 stages and "
-                    "of 1 stage at tp 3: time "
-                    "to first token and decode tokens/s of one stream, and aggregate tokens/s at "
-                    "1, 8 and 32 concurrent streams. Measurements are interleaved in rounds and "
-                    "the medians kept. Then the same extra hop through a bare gRPC relay of the "
-                    "model's matmuls, as this machine's floor for that figure. Prints the figures, "
-                    "the ratios and whether each is within DESIGN.md's budget. Needs transformers "
-                    "(the test extra).",
+        "and batch 32) as the baseline, and local clusters of 1 and 2 stages and "
+        "of 1 stage at tp 3: time "
+        "to first token and decode tokens/s of one stream, and aggregate tokens/s at "
+        "1, 8 and 32 concurrent streams. Measurements are interleaved in rounds and "
+        "the medians kept. Then the same extra hop through a bare gRPC relay of the "
+        "model's matmuls, as this machine's floor for that figure. Prints the figures, "
+        "the ratios and whether each is within DESIGN.md's budget. Needs transformers "
+        "(the test extra).",
         formatter_class=HelpFormatter,
     )
     _model_flags(bench)
     bench.add_argument("--new-tokens", type=int, default=64, metavar="N", help="tokens per stream (default: 64)")
-    bench.add_argument("--rounds", type=int, default=5, metavar="N",
-                       help="interleaved rounds; the median of each figure is kept (default: 5)")
-    bench.add_argument("--port", type=int, default=7179, metavar="P",
-                       help="the clusters' coordinators use P+1 to P+3, the bare relay P+10 to P+12 "
-                            "(default: 7179)")
+    bench.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        metavar="N",
+        help="interleaved rounds; the median of each figure is kept (default: 5)",
+    )
+    bench.add_argument(
+        "--port",
+        type=int,
+        default=7179,
+        metavar="P",
+        help="the clusters' coordinators use P+1 to P+3, the bare relay P+10 to P+12 (default: 7179)",
+    )
     bench.add_argument("--json", type=Path, metavar="FILE", help="also write the figures to FILE")
     bench.set_defaults(handler=_run_bench)

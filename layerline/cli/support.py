@@ -57,13 +57,19 @@ def configure_logging() -> None:
 
 def add_telemetry_flags(p: argparse.ArgumentParser, *, metrics_port_help: str) -> None:
     """`--trace`, `--otlp-endpoint` and `--metrics-port`, the same for every server command."""
-    p.add_argument("--trace", default="off", choices=("off", "console", "otlp"),
-                   help="export OpenTelemetry traces: off; console (one JSON line per span on stdout); "
-                        "otlp (OTLP over gRPC to --otlp-endpoint, else OTEL_EXPORTER_OTLP_TRACES_ENDPOINT "
-                        "or OTEL_EXPORTER_OTLP_ENDPOINT, else http://localhost:4317) (default: off)")
-    p.add_argument("--otlp-endpoint", metavar="URL",
-                   help="OTLP/gRPC collector for --trace otlp: HOST:PORT or http://HOST:PORT (plaintext), "
-                        "https://HOST:PORT (TLS)")
+    p.add_argument(
+        "--trace",
+        default="off",
+        choices=("off", "console", "otlp"),
+        help="export OpenTelemetry traces: off; console (one JSON line per span on stdout); "
+        "otlp (OTLP over gRPC to --otlp-endpoint, else OTEL_EXPORTER_OTLP_TRACES_ENDPOINT "
+        "or OTEL_EXPORTER_OTLP_ENDPOINT, else http://localhost:4317) (default: off)",
+    )
+    p.add_argument(
+        "--otlp-endpoint",
+        metavar="URL",
+        help="OTLP/gRPC collector for --trace otlp: HOST:PORT or http://HOST:PORT (plaintext), https://HOST:PORT (TLS)",
+    )
     p.add_argument("--metrics-port", type=int, default=0, metavar="P", help=metrics_port_help)
 
 
@@ -72,5 +78,6 @@ def telemetry_settings(args: argparse.Namespace, *, host: str) -> TelemetrySetti
     from layerline.shared.telemetry import TelemetrySettings
 
     with reported_as_errors(ValueError):
-        return TelemetrySettings(trace=args.trace, otlp_endpoint=args.otlp_endpoint,
-                                 metrics_port=args.metrics_port, metrics_host=host)
+        return TelemetrySettings(
+            trace=args.trace, otlp_endpoint=args.otlp_endpoint, metrics_port=args.metrics_port, metrics_host=host
+        )
