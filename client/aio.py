@@ -14,6 +14,7 @@ from typing import TypeVar
 
 import grpc
 import grpc.aio
+
 from layerline.protos.v1 import coordinator_pb2, coordinator_pb2_grpc
 from layerline.shared.rpc import channel_options
 

@@ -13,6 +13,7 @@ from types import TracebackType
 from typing import Protocol, TypeVar
 
 import grpc
+
 from layerline.protos.v1 import coordinator_pb2, coordinator_pb2_grpc
 from layerline.shared.rpc import channel_options
 

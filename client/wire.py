@@ -16,6 +16,7 @@ from typing import Protocol
 
 import grpc
 from google.protobuf import wrappers_pb2
+
 from layerline.protos.v1 import common_pb2, coordinator_pb2, tensor_pb2
 
 from .errors import Internal

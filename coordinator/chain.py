@@ -22,17 +22,18 @@ import logging
 import uuid
 
 import grpc
-from layerline.protos.v1 import common_pb2, stage_pb2, stage_pb2_grpc
-from layerline.shared.rpc import channel_options
 from opentelemetry.trace import Tracer
+
+from layerline.protos.v1 import common_pb2, stage_pb2, stage_pb2_grpc
+from layerline.shared.errors import Code
+from layerline.shared.rpc import channel_options
+from layerline.shared.wire import sampling_to_wire
 
 from .scheduler import Outcome, PlannedStep, StepFailed
 from .telemetry import StepSpans
 
 log = logging.getLogger(__name__)
 
-UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
-DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
 RELEASE_TIMEOUT = 5.0
 PROBE_TIMEOUT = 10.0
 STEP_TIMEOUT = 60.0  # a step unanswered this long counts as a failed chain (heartbeats notice sooner)
@@ -74,7 +75,7 @@ class ChainClient:
                 prefix_from=s.prefix_from.sequence_id if s.prefix_from is not None else "",
             )
             if s.sample:
-                s.seq.sampling.to_wire(seq.sampling)
+                sampling_to_wire(s.seq.sampling, seq.sampling)
                 if s.seq.sampling.repetition_penalty != 1.0:
                     seq.history_token_ids.extend(s.seq.history)
         if self.tracer is None:
@@ -106,14 +107,16 @@ class ChainClient:
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as err:
                 self._pending.pop(header.step_id, None)
                 raise StepFailed(
-                    UNAVAILABLE, f"stage {self.addresses[0]} is unreachable: {err}", failed_address=self.addresses[0]
+                    Code.UNAVAILABLE,
+                    f"stage {self.addresses[0]} is unreachable: {err}",
+                    failed_address=self.addresses[0],
                 ) from None
         try:
             result = await asyncio.wait_for(future, STEP_TIMEOUT)
         except asyncio.TimeoutError:
             self._pending.pop(header.step_id, None)
             raise StepFailed(
-                DEADLINE_EXCEEDED,
+                Code.DEADLINE_EXCEEDED,
                 f"chain {' -> '.join(self.addresses)} did not answer a step within {STEP_TIMEOUT:.0f}s",
             ) from None
         finally:
@@ -128,7 +131,7 @@ class ChainClient:
                 token_id=r.sampled_token_id if r.HasField("sampled_token_id") else None,
                 logprob=r.logprob if r.HasField("logprob") else None,
                 top=tuple((t.token_id, t.logprob) for t in r.top_logprobs),
-                error_code=r.error.code,
+                error_code=Code.of(r.error.code),
                 error_message=r.error.message,
             )
             for r in result.sequences
@@ -209,7 +212,7 @@ def _settle(future: asyncio.Future[stage_pb2.StepResult] | None, result: stage_p
 
 
 def _unavailable(reason: str, address: str) -> stage_pb2.StepResult:
-    return stage_pb2.StepResult(error=common_pb2.Status(code=UNAVAILABLE, message=reason), failed_address=address)
+    return stage_pb2.StepResult(error=common_pb2.Status(code=Code.UNAVAILABLE, message=reason), failed_address=address)
 
 
 class ProbeFailed(Exception):

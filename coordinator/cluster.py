@@ -20,15 +20,15 @@ from dataclasses import dataclass
 
 from opentelemetry.trace import Tracer
 
+from layerline.shared.errors import Code, Unreachable
+
 from .chain import ChainClient, ProbeFailed, probe
 from .registry import Registry, Worker, build_chains
 from .scheduler import ChainScheduler, Sequence, StepFailed
 
 log = logging.getLogger(__name__)
 
-UNAVAILABLE = 14
-DEADLINE_EXCEEDED = 4
-FAILOVER_CODES = (UNAVAILABLE, DEADLINE_EXCEEDED)  # a hop is gone or stuck: move, do not fail
+FAILOVER_CODES = (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED)  # a hop is gone or stuck: move, do not fail
 DEFAULT_PREFIX_CACHE = 0.25  # share of a chain's KV memory that finished sequences may keep as lenders
 
 
@@ -40,7 +40,7 @@ class FailoverPolicy:
     wait_for_chain: float = 10.0  # how long a moved sequence may wait for any complete chain
 
 
-class NoChainError(RuntimeError):
+class NoChainError(Unreachable):
     """No complete chain of workers covers every layer right now."""
 
 
@@ -179,7 +179,9 @@ class Cluster:
             if seq.failed_at is None:
                 seq.failed_at = time.monotonic()
             if seq.moves > self.failover.max_moves:
-                seq.on_error(UNAVAILABLE, f"gave up after {self.failover.max_moves} failovers; last cause: {reason}")
+                seq.on_error(
+                    Code.UNAVAILABLE, f"gave up after {self.failover.max_moves} failovers; last cause: {reason}"
+                )
                 continue
             self.failovers += 1
             delay = min(self.failover.backoff * 2 ** (seq.moves - 1), self.failover.max_backoff)
@@ -201,7 +203,7 @@ class Cluster:
             chain = self.place(seq)
         except NoChainError as err:
             if time.monotonic() >= deadline:
-                seq.on_error(UNAVAILABLE, f"{err} (after: {reason})")
+                seq.on_error(Code.UNAVAILABLE, f"{err} (after: {reason})")
             else:
                 asyncio.get_running_loop().call_later(0.25, self._replace, seq, reason, deadline)
             return

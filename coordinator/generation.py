@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from layerline.shared.errors import Code
 from layerline.shared.sampling import SamplingParams
 
 from .scheduler import Sequence
@@ -37,7 +38,7 @@ class Finished:
 
 @dataclass(frozen=True)
 class Failed:
-    code: int  # grpc status code value
+    code: Code
     message: str
 
 
@@ -109,13 +110,13 @@ class Generation:
         self.sequence.complete = True  # its KV may stay on the chain as a lender (the prefix cache)
         self._events.put_nowait(Finished(reason, len(self.prompt_ids), len(self.sequence.generated)))
 
-    def _on_error(self, code: int, message: str) -> None:
+    def _on_error(self, code: Code, message: str) -> None:
         if not self.finished:
             self.finished = True
             self.sequence.done = True
             self._events.put_nowait(Failed(code, message))
 
-    def fail(self, code: int, message: str) -> None:
+    def fail(self, code: Code, message: str) -> None:
         self._on_error(code, message)
 
     async def events(self) -> AsyncIterator[Event]:

@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from layerline.shared.errors import Code
 from layerline.shared.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,6 @@ log = logging.getLogger(__name__)
 # A new sequence whose first tokens equal this many or more of a live or cached sequence's on the
 # same chain (a shared system prompt, the same question twice) copies their KV instead of computing it.
 MIN_SHARED_PREFIX = 4
-RESOURCE_EXHAUSTED = 8  # the gRPC status code a stage answers when its KV cache is full
 
 
 @dataclass
@@ -47,7 +47,7 @@ class Sequence:
     prompt: list[int]
     sampling: SamplingParams
     on_token: Callable[[int, float | None, list[tuple[int, float]]], None]  # called per new token
-    on_error: Callable[[int, str], None]  # (grpc status code value, message)
+    on_error: Callable[[Code, str], None]  # (status, message)
     generated: list[int] = field(default_factory=list)
     fed: int = 0  # tokens of the history whose KV the chain holds
     in_flight: bool = False
@@ -87,7 +87,7 @@ class Outcome:
     token_id: int | None = None
     logprob: float | None = None
     top: tuple[tuple[int, float], ...] = ()
-    error_code: int = 0
+    error_code: Code = Code.OK
     error_message: str = ""
 
 
@@ -100,7 +100,7 @@ class StepFailed(Exception):
 
     def __init__(self, code: int, message: str, *, failed_address: str = "") -> None:
         super().__init__(message)
-        self.code = code
+        self.code = Code.of(code)
         self.failed_address = failed_address
 
 
@@ -343,17 +343,17 @@ class ChainScheduler:
         if seq.done:
             return
         if outcome is None:
-            seq.on_error(13, f"the chain returned no result for sequence {seq.sequence_id}")
+            seq.on_error(Code.INTERNAL, f"the chain returned no result for sequence {seq.sequence_id}")
             return
         if outcome.error_code:
-            if outcome.error_code == RESOURCE_EXHAUSTED:  # a stage's KV is full: the cache gives way
+            if outcome.error_code == Code.RESOURCE_EXHAUSTED:  # a stage's KV is full: the cache gives way
                 self.drop_cache()
             seq.on_error(outcome.error_code, outcome.error_message)
             return
         seq.fed = s.start + len(s.token_ids)
         if s.sample:
             if outcome.token_id is None:
-                seq.on_error(13, f"the chain sampled no token for sequence {seq.sequence_id}")
+                seq.on_error(Code.INTERNAL, f"the chain sampled no token for sequence {seq.sequence_id}")
                 return
             seq.generated.append(outcome.token_id)
             if seq.failed_at is not None:  # the first token after a failover

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
 from layerline.model_store import resolve_model
 from layerline.protos.v1 import coordinator_pb2_grpc
 from layerline.shared.rpc import DEFAULT_MAX_MESSAGE_BYTES, listen, server_options

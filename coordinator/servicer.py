@@ -18,8 +18,11 @@ from dataclasses import dataclass
 
 import grpc
 from asyncio_throttle import Throttler
+
 from layerline.protos.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, tensor_pb2
+from layerline.shared.rpc import grpc_status
 from layerline.shared.sampling import SamplingParams
+from layerline.shared.wire import sampling_from_wire
 
 from .cluster import Cluster, NoChainError
 from .generation import Delta, Failed, Finished, Generation, Limits
@@ -143,7 +146,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{self.queued} requests already wait (max_queued = {self.admission.max_queued}); retry later",
-                trailing_metadata=(("retry-after-ms", "1000"),),
+                trailing_metadata=(("retry-after-ms", "1000"), ("grpc-retry-pushback-ms", "1000")),
             )
         self.queued += 1
         try:
@@ -179,7 +182,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                         ),
                     )
                 elif isinstance(event, Failed):
-                    await context.abort(_code(event.code), event.message)
+                    await context.abort(grpc_status(event.code), event.message)
         finally:
             self.cluster.finish(gen.sequence)
             self.active -= 1
@@ -194,7 +197,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             raise ValueError(
                 f"stop takes at most {MAX_STOP_STRINGS} strings of 1 to {MAX_STOP_STRING_CHARS} characters"
             )
-        sampling = SamplingParams.from_wire(p)
+        sampling = sampling_from_wire(p)
         sampling.check()
         return sampling, max_tokens, stop
 
@@ -350,7 +353,3 @@ def _delta(event: Delta) -> coordinator_pb2.GenerateResponse:
         entry = response.logprobs.add(logprob=logprob or 0.0)
         entry.top_logprobs.extend(common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in top)
     return response
-
-
-def _code(value: int) -> grpc.StatusCode:
-    return next((c for c in grpc.StatusCode if c.value[0] == value), grpc.StatusCode.INTERNAL)

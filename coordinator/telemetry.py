@@ -23,12 +23,13 @@ import time
 from collections.abc import Callable, Iterable, MutableMapping
 from dataclasses import dataclass
 
-import grpc
-from layerline.shared.sampling import SamplingParams
-from layerline.shared.telemetry import SECONDS_BUCKETS, Telemetry
 from opentelemetry import propagate
 from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Meter, Observation
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer, set_span_in_context
+
+from layerline.shared.errors import Code
+from layerline.shared.sampling import SamplingParams
+from layerline.shared.telemetry import SECONDS_BUCKETS, Telemetry
 
 from .scheduler import Outcome, PlannedStep, Sequence, StepFailed
 
@@ -295,4 +296,4 @@ class StepSpans:
 
 def _code_name(value: int) -> str:
     """A gRPC status code value's name ("UNAVAILABLE"), as `error.type` wants it."""
-    return next((c.name for c in grpc.StatusCode if c.value[0] == value), str(value))
+    return Code.of(value).name

@@ -1,14 +1,18 @@
 """gRPC settings every layerline process shares: channel and server options, size parsing.
 
 Owns the one list of channel options (message-size limits, keepalive) so that no module builds
-its own, and how a server takes its port (`server_options`, `listen`). Imports grpc only; safe
-for the client SDK.
+its own, how a server takes its port (`server_options`, `listen`), and the step between the
+error vocabulary's `Code` and gRPC's `StatusCode`. Imports grpc only; safe for the client SDK.
 """
 
 from __future__ import annotations
 
 import re
 from typing import Protocol
+
+import grpc
+
+from .errors import Code
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 KEEPALIVE_MS = 10_000  # ping an idle long-lived stream this often
@@ -60,3 +64,16 @@ def listen(server: AddsPorts, address: str) -> int:
     if port == 0:
         raise OSError(f"cannot listen on {address}: the port is in use, or the host is not an address of this machine")
     return port
+
+
+_GRPC_CODE = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def grpc_status(code: int) -> grpc.StatusCode:
+    """gRPC's StatusCode of a `Code` (or of its wire value); UNKNOWN for a value gRPC lacks."""
+    return _GRPC_CODE.get(int(code), grpc.StatusCode.UNKNOWN)
+
+
+def code_of(status: grpc.StatusCode) -> Code:
+    """The `Code` of gRPC's StatusCode."""
+    return Code.of(status.value[0])

@@ -18,9 +18,7 @@ Knows nothing of requests, steps or tensors: `coordinator.telemetry` and
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from typing import TextIO
-from urllib.parse import urlsplit
 from wsgiref.simple_server import WSGIServer
 
 from opentelemetry.metrics import Meter
@@ -30,67 +28,20 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 from opentelemetry.trace import Tracer
 
-TRACE_MODES = ("off", "console", "otlp")
+from .settings import TelemetrySettings, collector_url
+
+__all__ = ["BYTES_BUCKETS", "SCOPE", "SECONDS_BUCKETS", "Telemetry", "TelemetrySettings"]
+
 SCOPE = "layerline"  # the instrumentation scope of every span and instrument
 
 # Histogram buckets: seconds from 0.5 ms to 80 s, bytes from 256 B to 1 GiB.
+# fmt: off
 SECONDS_BUCKETS = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
+    10.0, 20.0, 40.0, 80.0,
 )
+# fmt: on
 BYTES_BUCKETS = tuple(float(256 * 4**i) for i in range(12))
-
-
-@dataclass(frozen=True)
-class TelemetrySettings:
-    trace: str = "off"  # off, console (JSON lines on stdout) or otlp (OTLP over gRPC)
-    otlp_endpoint: str | None = None  # collector URL; None: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT
-    metrics_port: int = 0  # Prometheus scrape port (GET /metrics); 0: no metrics
-    metrics_host: str = "127.0.0.1"  # interface the scrape endpoint listens on
-
-    def __post_init__(self) -> None:
-        if self.trace not in TRACE_MODES:
-            raise ValueError(f"--trace {self.trace!r} is not one of {', '.join(TRACE_MODES)}")
-        if self.otlp_endpoint is not None:
-            if self.trace != "otlp":
-                raise ValueError(f"--otlp-endpoint is given but --trace is {self.trace}; add --trace otlp")
-            collector_url(self.otlp_endpoint)
-        if not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"--metrics-port {self.metrics_port} must be in [0, 65535] (0: no metrics)")
-
-
-def collector_url(endpoint: str) -> str:
-    """An OTLP/gRPC endpoint as a URL: `HOST:PORT` means plaintext `http://HOST:PORT`."""
-    url = endpoint if "://" in endpoint else f"http://{endpoint}"
-    parts = urlsplit(url)
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
-        raise ValueError(
-            f"--otlp-endpoint {endpoint!r} is not HOST:PORT or http(s)://HOST:PORT (http: plaintext, https: TLS)"
-        )
-    return url
 
 
 class Telemetry:

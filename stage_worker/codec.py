@@ -23,7 +23,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+
 from layerline.protos.v1 import tensor_pb2
+from layerline.shared.errors import InvalidInput, OverLimit
 
 if sys.byteorder != "little":
     raise ImportError("the tensor codec needs a little-endian host: the wire is little-endian")
@@ -43,11 +45,11 @@ class CodecLimits:
             raise ValueError(f"CodecLimits.max_dims = {self.max_dims}: must be >= 0")
 
 
-class FrameError(ValueError):
-    """A tensor frame from the network is malformed (servicers answer INVALID_ARGUMENT)."""
+class FrameError(InvalidInput):
+    """A tensor frame from the network is malformed (INVALID_ARGUMENT)."""
 
 
-class FrameLimitError(FrameError):
+class FrameLimitError(OverLimit, FrameError):
     """A tensor frame is well-formed but breaches a CodecLimits bound (RESOURCE_EXHAUSTED)."""
 
 

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from layerline.shared.errors import InvalidInput
 from layerline.shared.sampling import SamplingParams
 
 from .kv_cache import KVCacheExhausted, PagedKVCache
@@ -26,7 +28,7 @@ SMALL_STEP_TOKENS = 4  # steps of at most this many tokens run on one CPU thread
 LARGE_STEP_TOKENS = 64  # steps of this many tokens or more (prompt chunks) run on `prefill_threads`
 
 
-class StepInputError(ValueError):
+class StepInputError(InvalidInput):
     """A step, or one sequence of it, that breaks the rules of the wire contract."""
 
 

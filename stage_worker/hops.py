@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import grpc
+
 from layerline.protos.v1 import common_pb2, stage_pb2, stage_pb2_grpc
 from layerline.shared.rpc import channel_options
 

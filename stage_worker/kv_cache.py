@@ -16,8 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from layerline.shared.errors import NoCapacity
 
-class KVCacheExhausted(RuntimeError):
+
+class KVCacheExhausted(NoCapacity):
     """The pool has too few free blocks for a sequence's new tokens."""
 
     def __init__(self, sequence_id: str, *, needed_blocks: int, free_blocks: int) -> None:

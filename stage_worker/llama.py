@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from layerline.shared.model_config import LayerRange, ModelConfig, RopeConfig
 from torch import nn
+
+from layerline.shared.model_config import LayerRange, ModelConfig, RopeConfig
 
 from .kv_cache import PagedKVCache, StepLayout
 from .parallel import Shards, TensorParallel, shards_for

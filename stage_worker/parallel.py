@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
 from layerline.shared.model_config import ConfigError, ModelConfig
 
 

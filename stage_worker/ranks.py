@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
+from layerline.shared.errors import Unreachable
 from layerline.shared.sampling import SamplingParams
 
 from .engine import SequenceStep, StageEngine, StepOutput
@@ -27,7 +29,7 @@ STOP, RUN, RELEASE, PROBE, KEEPALIVE = range(5)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-class RankFailed(RuntimeError):
+class RankFailed(Unreachable):
     """A rank of this stage died or hung: the stage fails stop."""
 
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
 from layerline.shared.sampling import SamplingParams
 
 

@@ -10,7 +10,7 @@ the next step is received and the previous one sent while this one computes; the
 is a step of a few tokens alone on the stage, which runs on the event loop (nothing else waits
 on it then).
 
-Typed failures map to gRPC status codes in one table, `STATUS_OF`. With telemetry on, each step
+Typed failures answer with the status of their kind (`layerline.shared.errors.STATUS_OF`). With telemetry on, each step
 carries a `StepTimes` that the stream's hooks feed; what is measured is `step_telemetry`'s.
 Knows nothing of the model's math or of the coordinator's schedule.
 """
@@ -28,13 +28,13 @@ from typing import TypeVar
 
 import grpc
 import torch
+
 from layerline.protos.v1 import common_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
-from layerline.shared.sampling import SamplingParams
+from layerline.shared.wire import sampling_from_wire, status_message
 
 from .codec import CodecLimits, FrameError, Reassembler, chunk
 from .engine import SMALL_STEP_TOKENS, SequenceError, SequenceStep, StageEngine, StepInputError, StepOutput
 from .hops import NextHops
-from .kv_cache import KVCacheExhausted
 from .ranks import LeadingEngine, RankFailed
 from .step_telemetry import StageTelemetry, StepTimes, StreamTelemetry
 
@@ -44,17 +44,9 @@ FRAME_OVERHEAD_BYTES = 32  # field tags and lengths around a header and its hidd
 MAX_SUBSCRIBER_BYTES = 128
 MAX_UNSENT_RESULTS = 256  # direct results waiting on one Results stream; beyond, they go up the chain
 
-STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
-    FrameError: grpc.StatusCode.INVALID_ARGUMENT,
-    StepInputError: grpc.StatusCode.INVALID_ARGUMENT,
-    KVCacheExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    RankFailed: grpc.StatusCode.UNAVAILABLE,  # the coordinator moves the sequences elsewhere
-}
-
 
 def status_of(err: Exception) -> common_pb2.Status:
-    code = next((c for t, c in STATUS_OF.items() if isinstance(err, t)), grpc.StatusCode.INTERNAL)
-    return common_pb2.Status(code=code.value[0], message=str(err))
+    return status_message(err)
 
 
 @dataclass(frozen=True)
@@ -417,7 +409,7 @@ def _hidden_states(reassembler: Reassembler, piece: tensor_pb2.TensorChunk, *, w
 
 
 def _sequence_step(msg: stage_pb2.SequenceInput, *, last: bool) -> SequenceStep:
-    sampling = SamplingParams.from_wire(msg.sampling) if last and msg.sample else None
+    sampling = sampling_from_wire(msg.sampling) if last and msg.sample else None
     return SequenceStep(
         sequence_id=msg.sequence_id,
         positions=tuple(msg.positions),

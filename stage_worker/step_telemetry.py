@@ -24,10 +24,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMappin
 from contextlib import contextmanager
 from typing import Protocol, TypeVar
 
-from layerline.shared.telemetry import BYTES_BUCKETS, SECONDS_BUCKETS, Telemetry
 from opentelemetry import propagate
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_context
+
+from layerline.shared.telemetry import BYTES_BUCKETS, SECONDS_BUCKETS, Telemetry
 
 from .engine import SequenceStep
 

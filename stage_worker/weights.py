@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from layerline.shared.model_config import ConfigError, LayerRange, ModelConfig
 from safetensors import safe_open
+
+from layerline.shared.model_config import ConfigError, LayerRange, ModelConfig
 
 from .llama import WEIGHT_LAYOUTS, LMHead, StageModel, can_pack, rope_inv_freq
 from .parallel import Shards, TensorParallel

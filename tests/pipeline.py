@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
 from layerline.stage_worker.kv_cache import CacheShape, PagedKVCache
 from layerline.stage_worker.llama import StageModel
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from layerline.protos.v1 import common_pb2, stage_pb2, stage_pb2_grpc
 from layerline.stage_worker import codec
 

@@ -6,8 +6,8 @@ import asyncio
 import time
 
 import pytest
-from layerline.client import AsyncClient, Client, ResourceExhausted, Unavailable
 
+from layerline.client import AsyncClient, Client, ResourceExhausted, Unavailable
 from layerline.launcher import ClusterPlan, LocalCluster
 
 from .stage_client import free_port

@@ -22,6 +22,8 @@ from typing import Any, TypeVar
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from opentelemetry.sdk.trace import TracerProvider
+
 from layerline.client import (
     AsyncClient,
     ChainStatus,
@@ -46,7 +48,6 @@ from layerline.client import (
 )
 from layerline.protos.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, tensor_pb2
 from layerline.shared.rpc import channel_options, listen, server_options
-from opentelemetry.sdk.trace import TracerProvider
 
 pb = coordinator_pb2
 STOP, LENGTH = pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH

@@ -7,10 +7,10 @@ import time
 
 import grpc
 import pytest
-from layerline.client import AsyncClient, Client
-from layerline.protos.v1 import stage_pb2, stage_pb2_grpc
 
+from layerline.client import AsyncClient, Client
 from layerline.launcher import ClusterPlan, LocalCluster, head_weight, split_layers
+from layerline.protos.v1 import stage_pb2, stage_pb2_grpc
 
 from .stage_client import free_port
 
@@ -122,6 +122,7 @@ def test_stop_strings_end_the_answer_without_the_stop_text(cluster):
 def test_bad_sampling_parameters_are_refused_by_the_server(cluster, params, field):
     """Straight to the service (the SDK checks these too): INVALID_ARGUMENT naming the field."""
     import grpc
+
     from layerline.protos.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
     with grpc.insecure_channel(cluster.address) as channel:
@@ -137,6 +138,7 @@ def test_bad_sampling_parameters_are_refused_by_the_server(cluster, params, fiel
 
 def test_empty_prompt_and_unknown_model_are_refused(cluster):
     import grpc
+
     from layerline.protos.v1 import coordinator_pb2, coordinator_pb2_grpc
 
     with grpc.insecure_channel(cluster.address) as channel:
@@ -162,6 +164,7 @@ def test_a_cancelled_stream_releases_its_kv_on_every_stage(cluster):
     import time
 
     import grpc
+
     from layerline.protos.v1 import stage_pb2, stage_pb2_grpc
 
     def kv() -> dict[str, tuple[int, int]]:

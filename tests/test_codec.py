@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from layerline.protos.v1 import tensor_pb2
 from layerline.stage_worker import codec
 from layerline.stage_worker.codec import CodecLimits, FrameError, FrameLimitError, Reassembler

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from layerline.shared.model_config import LayerRange
 from layerline.stage_worker.engine import SequenceStep, StageEngine, StepInputError
 from layerline.stage_worker.kv_cache import CacheShape, KVCacheExhausted, PagedKVCache

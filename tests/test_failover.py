@@ -7,8 +7,8 @@ import random
 import time
 
 import pytest
-from layerline.client import AsyncClient, Unavailable
 
+from layerline.client import AsyncClient, Unavailable
 from layerline.launcher import ClusterPlan, LocalCluster
 
 from .stage_client import free_port

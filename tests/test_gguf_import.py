@@ -16,12 +16,12 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from layerline.model_store.gguf_import import GGUFImportError, import_gguf
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from layerline.cli import main
+from layerline.model_store.gguf_import import GGUFImportError, import_gguf
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 USER_DEFINED = "<tool>"

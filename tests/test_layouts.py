@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from layerline.client import AsyncClient, Client
 
+from layerline.client import AsyncClient, Client
 from layerline.launcher import ClusterPlan, LocalCluster
 
 from .stage_client import free_port

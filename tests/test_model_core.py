@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+
 from layerline.shared.model_config import ConfigError, LayerRange, ModelConfig
 from layerline.stage_worker.weights import CheckpointError, CheckpointReader, load_stage, owned_tensor_names
 

@@ -15,6 +15,9 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from tokenizers import pre_tokenizers
+
+from layerline.cli import main
 from layerline.model_store import store as model_store
 from layerline.model_store.store import (
     COMPLETE_MARKER,
@@ -25,9 +28,6 @@ from layerline.model_store.store import (
     fetch_model,
     resolve_model,
 )
-from tokenizers import pre_tokenizers
-
-from layerline.cli import main
 
 SPEC = KNOWN_MODELS[DEFAULT_MODEL]
 

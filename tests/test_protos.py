@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from layerline.protos import regen
 
 GENERATED = sorted(p.stem for p in regen.PROTO_PACKAGE_DIR.glob("*_pb2*.py"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from layerline.shared.model_config import LayerRange
 from layerline.stage_worker.weights import load_stage
 

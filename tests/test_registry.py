@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from layerline.coordinator.registry import Registry, Worker, build_chains
 
 

@@ -7,6 +7,7 @@ import math
 import grpc
 import pytest
 import torch
+
 from layerline.protos.v1 import common_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
 from layerline.shared.model_config import LayerRange
 from layerline.stage_worker.codec import chunk
@@ -214,37 +215,41 @@ def _frame(**chunk_fields) -> list[stage_pb2.StepFrame]:
     ]
 
 
-MALFORMED = {
+MALFORMED = {  # name -> (chunk fields, status, words of the message)
     "shape and byte length disagree": (
         dict(dtype=tensor_pb2.FLOAT32, shape=[2, HIDDEN], total_bytes=100, data=b"\0" * 100),
+        INVALID,
         "total_bytes = 100",
     ),
-    "unknown dtype": (dict(dtype=99, shape=[2, HIDDEN], total_bytes=384, data=b"\0" * 384), "unknown dtype"),
-    "negative dims": (dict(dtype=tensor_pb2.FLOAT32, shape=[-2, HIDDEN], total_bytes=0), "must be >= 0"),
-    "2**40 elements, tiny payload": (
+    "unknown dtype": (dict(dtype=99, shape=[2, HIDDEN], total_bytes=384, data=b"\0" * 384), INVALID, "unknown dtype"),
+    "negative dims": (dict(dtype=tensor_pb2.FLOAT32, shape=[-2, HIDDEN], total_bytes=0), INVALID, "must be >= 0"),
+    "2**40 elements, tiny payload": (  # well formed, past a limit: RESOURCE_EXHAUSTED
         dict(dtype=tensor_pb2.FLOAT32, shape=[2**20, 2**20], total_bytes=4 * 2**40, data=b"\0" * 8),
+        EXHAUSTED,
         "max_tensor_bytes",
     ),
     "integer hidden states": (
         dict(dtype=tensor_pb2.INT64, shape=[2, HIDDEN], total_bytes=768, data=b"\0" * 768),
+        INVALID,
         "floating dtype",
     ),
     "shape disagrees with positions": (
         dict(dtype=tensor_pb2.FLOAT32, shape=[3, HIDDEN], total_bytes=576, data=b"\0" * 576),
+        INVALID,
         "hidden states have shape (3, 48)",
     ),
 }
 
 
-def test_malformed_frames_get_invalid_argument_and_the_stage_keeps_serving(chain, ckpt, oracle):
+def test_malformed_frames_get_their_status_and_the_stage_keeps_serving(chain, ckpt, oracle):
     first, last = chain
     rss_before = last.rss_kib()
     stream = StepStream(last.channel)
     try:
-        for name, (fields, message) in MALFORMED.items():
+        for name, (fields, code, message) in MALFORMED.items():
             stream.send(_frame(**fields))
             result = stream.receive()
-            assert result.error.code == INVALID, name
+            assert result.error.code == code, name
             assert message in result.error.message, (name, result.error.message)
     finally:
         stream.close()

@@ -28,12 +28,6 @@ from unittest import mock
 
 import grpc
 import pytest
-from layerline.client import AsyncClient, Client, Completion, InvalidArgument
-from layerline.coordinator.scheduler import Outcome, PlannedStep, Sequence, Slice, StepFailed
-from layerline.coordinator.telemetry import StepSpans
-from layerline.shared.sampling import SamplingParams
-from layerline.shared.telemetry import Telemetry, TelemetrySettings
-from layerline.stage_worker.step_telemetry import BusyClock
 from opentelemetry import propagate
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1 import common_pb2 as otlp_common_pb2
@@ -45,7 +39,13 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from layerline.cli import main
+from layerline.client import AsyncClient, Client, Completion, InvalidArgument
+from layerline.coordinator.scheduler import Outcome, PlannedStep, Sequence, Slice, StepFailed
+from layerline.coordinator.telemetry import StepSpans
 from layerline.launcher import ClusterPlan, LocalCluster
+from layerline.shared.sampling import SamplingParams
+from layerline.shared.telemetry import Telemetry, TelemetrySettings
+from layerline.stage_worker.step_telemetry import BusyClock
 
 from .stage_client import free_port, free_ports
 from .tiny_models import make_tiny_checkpoint, write_byte_tokenizer

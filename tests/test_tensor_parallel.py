@@ -7,6 +7,7 @@ import multiprocessing as mp
 
 import pytest
 import torch
+
 from layerline.shared.model_config import ConfigError, LayerRange, ModelConfig
 from layerline.stage_worker.parallel import TensorParallel, shards_for
 from layerline.stage_worker.weights import CheckpointReader, load_stage
@@ -168,7 +169,6 @@ def _generate_through_the_sdk(model_dir, tmp_path, prompts: list[str], n: int, *
     import asyncio
 
     from layerline.client import AsyncClient
-
     from layerline.launcher import ClusterPlan, LocalCluster
 
     cluster = LocalCluster(

@@ -18,13 +18,14 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
 from layerline.coordinator.text import (
     ChatTemplateError,
     IncrementalDetokenizer,
     StopMatcher,
     TextModel,
 )
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 transformers = pytest.importorskip("transformers")
 
