@@ -4,6 +4,8 @@
     with Client("127.0.0.1:7070") as c:
         print(c.generate("Once upon a time", max_tokens=32, temperature=0.0).text)
 
+The keyword options of `generate`, `stream`, `chat` and `chat_stream` are `RequestOptions`.
+
 Owns nothing but the caller's requests and their streams. Needs only grpcio and protobuf (and
 sends the caller's trace context when OpenTelemetry is installed); it never imports torch or
 numpy, and knows nothing of tokenizers, weights or workers beyond what the coordinator reports.
@@ -26,6 +28,7 @@ from .types import (
     ClusterStatus,
     Completion,
     ModelInfo,
+    RequestOptions,
     TokenLogprobs,
     Usage,
     WorkerLoad,
@@ -45,6 +48,7 @@ __all__ = [
     "LayerlineError",
     "ModelInfo",
     "NotFound",
+    "RequestOptions",
     "ResourceExhausted",
     "TokenLogprobs",
     "Unavailable",

@@ -2,15 +2,15 @@
 
 Owns the asyncio channel, each call's deadline and trace metadata, and turning gRPC failures
 (also those in the middle of a stream) into the typed errors of `layerline.client.errors`.
-Knows nothing of the messages' fields: `wire` builds and reads them. Create it inside the event
-loop that uses it.
+Knows nothing of the messages' fields or the options' limits: `wire` checks the options, builds
+the requests and reads the answers. Create it inside the event loop that uses it.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 import grpc.aio
@@ -21,12 +21,14 @@ from layerline.shared.rpc import channel_options
 from . import wire
 from .errors import error_from_rpc
 from .tracing import call_metadata
-from .types import Chunk, ClusterStatus, Completion, ModelInfo
-from .wire import GENERATE_TIMEOUT, INFO_TIMEOUT
+from .types import Chunk, ClusterStatus, Completion, ModelInfo, RequestOptions
+from .wire import INFO_TIMEOUT
 
-_Request = coordinator_pb2.GenerateRequest | coordinator_pb2.ChatRequest
+if TYPE_CHECKING:  # typing_extensions is not a runtime dependency
+    from typing_extensions import Unpack
+
 _Response = TypeVar("_Response")
-_StreamMethod = Callable[..., grpc.aio.UnaryStreamCall]
+_StreamMethod = Callable[..., grpc.aio.UnaryStreamCall[wire.Request, coordinator_pb2.GenerateResponse]]
 
 
 class AsyncClient:
@@ -42,137 +44,48 @@ class AsyncClient:
             self._channel = grpc.aio.insecure_channel(target, options=channel_options())
         else:
             self._channel = grpc.aio.secure_channel(target, credentials, options=channel_options())
-        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
-        self._health_check = self._channel.unary_unary(
+        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)  # type: ignore[no-untyped-call]
+        self._health_check: grpc.aio.UnaryUnaryMultiCallable[str, str] = self._channel.unary_unary(
             wire.HEALTH_CHECK_METHOD,
             request_serializer=wire.encode_health_request,
             response_deserializer=wire.decode_health_response,
         )
 
-    async def generate(
-        self,
-        prompt: str,
-        *,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        logprobs: int | None = None,
-        model: str | None = None,
-        timeout: float = GENERATE_TIMEOUT,
-    ) -> Completion:
-        """Completes `prompt` and returns the whole answer."""
-        sampling = wire.sampling_params(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-            seed=seed,
-            stop=stop,
-            logprobs=logprobs,
-        )
-        request = wire.generate_request(prompt, model, sampling)
-        return wire.completion_from([c async for c in self._chunks(self._stub.Generate, request, timeout)])
+    async def generate(self, prompt: str, **options: Unpack[RequestOptions]) -> Completion:
+        """Completes `prompt` and returns the whole answer.
 
-    def stream(
-        self,
-        prompt: str,
-        *,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        logprobs: int | None = None,
-        model: str | None = None,
-        timeout: float = GENERATE_TIMEOUT,
-    ) -> AsyncIterator[Chunk]:
+        Options (`RequestOptions`): max_tokens, temperature (0 is greedy), top_p, top_k, min_p,
+        repetition_penalty, seed, stop, logprobs; model; timeout (seconds for the whole call).
+        """
+        return wire.completion_from([chunk async for chunk in self.stream(prompt, **options)])
+
+    def stream(self, prompt: str, **options: Unpack[RequestOptions]) -> AsyncIterator[Chunk]:
         """Completes `prompt`, yielding the answer as it is generated; the last chunk has
         finish_reason and usage. Arguments are checked now; the call starts at the first step.
+
+        Options (`RequestOptions`): max_tokens, temperature (0 is greedy), top_p, top_k, min_p,
+        repetition_penalty, seed, stop, logprobs; model; timeout (seconds for the whole call).
         """
-        sampling = wire.sampling_params(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-            seed=seed,
-            stop=stop,
-            logprobs=logprobs,
-        )
-        request = wire.generate_request(prompt, model, sampling)
+        request, timeout = wire.request_of(prompt, options, chat=False)
         return self._chunks(self._stub.Generate, request, timeout)
 
-    async def chat(
-        self,
-        messages: Sequence[Mapping[str, str]],
-        *,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        logprobs: int | None = None,
-        model: str | None = None,
-        timeout: float = GENERATE_TIMEOUT,
-    ) -> Completion:
-        """Answers a conversation (`[{"role": "user", "content": "Hi"}, ...]`) in one piece."""
-        sampling = wire.sampling_params(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-            seed=seed,
-            stop=stop,
-            logprobs=logprobs,
-        )
-        request = wire.chat_request(messages, model, sampling)
-        return wire.completion_from([c async for c in self._chunks(self._stub.Chat, request, timeout)])
+    async def chat(self, messages: Sequence[Mapping[str, str]], **options: Unpack[RequestOptions]) -> Completion:
+        """Answers a conversation (`[{"role": "user", "content": "Hi"}, ...]`) in one piece.
+
+        Options (`RequestOptions`): max_tokens, temperature (0 is greedy), top_p, top_k, min_p,
+        repetition_penalty, seed, stop, logprobs; model; timeout (seconds for the whole call).
+        """
+        return wire.completion_from([chunk async for chunk in self.chat_stream(messages, **options)])
 
     def chat_stream(
-        self,
-        messages: Sequence[Mapping[str, str]],
-        *,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        logprobs: int | None = None,
-        model: str | None = None,
-        timeout: float = GENERATE_TIMEOUT,
+        self, messages: Sequence[Mapping[str, str]], **options: Unpack[RequestOptions]
     ) -> AsyncIterator[Chunk]:
-        """Answers a conversation, yielding the reply as it is generated (see `stream`)."""
-        sampling = wire.sampling_params(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-            seed=seed,
-            stop=stop,
-            logprobs=logprobs,
-        )
-        request = wire.chat_request(messages, model, sampling)
+        """Answers a conversation, yielding the reply as it is generated (see `stream`).
+
+        Options (`RequestOptions`): max_tokens, temperature (0 is greedy), top_p, top_k, min_p,
+        repetition_penalty, seed, stop, logprobs; model; timeout (seconds for the whole call).
+        """
+        request, timeout = wire.request_of(messages, options, chat=True)
         return self._chunks(self._stub.Chat, request, timeout)
 
     async def models(self, *, timeout: float = INFO_TIMEOUT) -> list[ModelInfo]:
@@ -191,7 +104,7 @@ class AsyncClient:
 
     async def close(self) -> None:
         """Closes the channel; calls still running fail with CANCELLED."""
-        await self._channel.close()
+        await self._channel.close(grace=None)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -201,13 +114,13 @@ class AsyncClient:
     ) -> None:
         await self.close()
 
-    def _chunks(self, method: _StreamMethod, request: _Request, timeout: float) -> AsyncIterator[Chunk]:
+    def _chunks(self, method: _StreamMethod, request: wire.Request, timeout: float) -> AsyncIterator[Chunk]:
         """The stream's chunks; built eagerly so that the caller's trace context is the one sent."""
-        deadline, metadata = wire.check_timeout(timeout), call_metadata()
+        metadata = call_metadata()
         with_logprobs = request.sampling.HasField("logprobs")
 
         async def chunks() -> AsyncIterator[Chunk]:
-            call = method(request, timeout=deadline, metadata=metadata)
+            call = method(request, timeout=timeout, metadata=metadata)
             try:
                 async for response in call:
                     yield wire.chunk_from(response, with_logprobs=with_logprobs)

@@ -7,12 +7,17 @@ one of them. Knows nothing of the coordinator's messages.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
 import grpc
 
-RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata: how long to wait before retrying, in ms
+# Trailing metadata that says how long to wait before retrying, in milliseconds. The coordinator
+# sends both; `retry-after-ms` is read first, gRPC's standard pushback (gRFC A6) when it is
+# absent or not a finite number.
+RETRY_AFTER_KEY = "retry-after-ms"  # a negative value means "now"
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"  # a negative value means "do not retry": no hint
 
 Metadata = tuple[tuple[str, str | bytes], ...]
 
@@ -32,7 +37,11 @@ class InvalidArgument(LayerlineError):
 
 
 class ResourceExhausted(LayerlineError):
-    """The server is full (or a limit was hit); retry after `retry_after` seconds if given."""
+    """The server is full (or a limit was hit); retry after `retry_after` seconds if given.
+
+    `retry_after` comes from the `retry-after-ms` trailer, or else from gRPC's standard
+    `grpc-retry-pushback-ms`; a value that is not a finite number is no hint, and the other is read.
+    """
 
     def __init__(self, code: grpc.StatusCode, details: str, *, metadata: Metadata = ()) -> None:
         super().__init__(code, details, metadata=metadata)
@@ -86,12 +95,24 @@ def error_from_rpc(err: grpc.RpcError) -> LayerlineError:
 
 
 def _retry_after(metadata: Metadata) -> float | None:
-    for key, value in metadata:
-        if key.lower() != RETRY_AFTER_KEY:
+    """Seconds to wait from the first usable hint, `retry-after-ms` before `grpc-retry-pushback-ms`."""
+    after, pushback = _milliseconds(metadata, RETRY_AFTER_KEY), _milliseconds(metadata, RETRY_PUSHBACK_KEY)
+    if after is not None:
+        return max(0.0, after) / 1000.0
+    if pushback is not None and pushback >= 0.0:
+        return pushback / 1000.0
+    return None
+
+
+def _milliseconds(metadata: Metadata, key: str) -> float | None:
+    """The first value under `key`, as a number; None when absent or not a finite number."""
+    for name, value in metadata:
+        if name.lower() != key:
             continue
         text = value.decode("ascii", "replace") if isinstance(value, bytes) else value
         try:
-            return max(0.0, float(text)) / 1000.0
+            number = float(text)
         except ValueError:
             return None  # a malformed hint is no hint
+        return number if math.isfinite(number) else None
     return None

@@ -2,15 +2,15 @@
 
 Owns the channel, each call's deadline and trace metadata, and turning gRPC failures (also those
 in the middle of a stream) into the typed errors of `layerline.client.errors`. Knows nothing of
-tokens beyond the ids the coordinator returns, nor of the messages' fields: `wire` builds and
-reads them.
+tokens beyond the ids the coordinator returns, nor of the messages' fields or the options'
+limits: `wire` checks the options, builds the requests and reads the answers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import grpc
 
@@ -20,10 +20,12 @@ from layerline.shared.rpc import channel_options
 from . import wire
 from .errors import error_from_rpc
 from .tracing import call_metadata
-from .types import Chunk, ClusterStatus, Completion, ModelInfo
-from .wire import GENERATE_TIMEOUT, INFO_TIMEOUT
+from .types import Chunk, ClusterStatus, Completion, ModelInfo, RequestOptions
+from .wire import INFO_TIMEOUT
 
-_Request = coordinator_pb2.GenerateRequest | coordinator_pb2.ChatRequest
+if TYPE_CHECKING:  # typing_extensions is not a runtime dependency
+    from typing_extensions import Unpack
+
 _Response = TypeVar("_Response")
 
 
@@ -47,137 +49,46 @@ class Client:
             self._channel = grpc.insecure_channel(target, options=channel_options())
         else:
             self._channel = grpc.secure_channel(target, credentials, options=channel_options())
-        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
-        self._health_check = self._channel.unary_unary(
+        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)  # type: ignore[no-untyped-call]
+        self._health_check: grpc.UnaryUnaryMultiCallable[str, str] = self._channel.unary_unary(
             wire.HEALTH_CHECK_METHOD,
             request_serializer=wire.encode_health_request,
             response_deserializer=wire.decode_health_response,
         )
 
-    def generate(
-        self,
-        prompt: str,
-        *,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        logprobs: int | None = None,
-        model: str | None = None,
-        timeout: float = GENERATE_TIMEOUT,
-    ) -> Completion:
-        """Completes `prompt` and returns the whole answer."""
-        sampling = wire.sampling_params(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-            seed=seed,
-            stop=stop,
-            logprobs=logprobs,
-        )
-        request = wire.generate_request(prompt, model, sampling)
-        return wire.completion_from(list(self._chunks(self._stub.Generate, request, timeout)))
+    def generate(self, prompt: str, **options: Unpack[RequestOptions]) -> Completion:
+        """Completes `prompt` and returns the whole answer.
 
-    def stream(
-        self,
-        prompt: str,
-        *,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        logprobs: int | None = None,
-        model: str | None = None,
-        timeout: float = GENERATE_TIMEOUT,
-    ) -> Iterator[Chunk]:
+        Options (`RequestOptions`): max_tokens, temperature (0 is greedy), top_p, top_k, min_p,
+        repetition_penalty, seed, stop, logprobs; model; timeout (seconds for the whole call).
+        """
+        return wire.completion_from(list(self.stream(prompt, **options)))
+
+    def stream(self, prompt: str, **options: Unpack[RequestOptions]) -> Iterator[Chunk]:
         """Completes `prompt`, yielding the answer as it is generated; the last chunk has
         finish_reason and usage. Arguments are checked now; the call starts at the first `next`.
+
+        Options (`RequestOptions`): max_tokens, temperature (0 is greedy), top_p, top_k, min_p,
+        repetition_penalty, seed, stop, logprobs; model; timeout (seconds for the whole call).
         """
-        sampling = wire.sampling_params(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-            seed=seed,
-            stop=stop,
-            logprobs=logprobs,
-        )
-        request = wire.generate_request(prompt, model, sampling)
+        request, timeout = wire.request_of(prompt, options, chat=False)
         return self._chunks(self._stub.Generate, request, timeout)
 
-    def chat(
-        self,
-        messages: Sequence[Mapping[str, str]],
-        *,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        logprobs: int | None = None,
-        model: str | None = None,
-        timeout: float = GENERATE_TIMEOUT,
-    ) -> Completion:
-        """Answers a conversation (`[{"role": "user", "content": "Hi"}, ...]`) in one piece."""
-        sampling = wire.sampling_params(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-            seed=seed,
-            stop=stop,
-            logprobs=logprobs,
-        )
-        request = wire.chat_request(messages, model, sampling)
-        return wire.completion_from(list(self._chunks(self._stub.Chat, request, timeout)))
+    def chat(self, messages: Sequence[Mapping[str, str]], **options: Unpack[RequestOptions]) -> Completion:
+        """Answers a conversation (`[{"role": "user", "content": "Hi"}, ...]`) in one piece.
 
-    def chat_stream(
-        self,
-        messages: Sequence[Mapping[str, str]],
-        *,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        logprobs: int | None = None,
-        model: str | None = None,
-        timeout: float = GENERATE_TIMEOUT,
-    ) -> Iterator[Chunk]:
-        """Answers a conversation, yielding the reply as it is generated (see `stream`)."""
-        sampling = wire.sampling_params(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-            seed=seed,
-            stop=stop,
-            logprobs=logprobs,
-        )
-        request = wire.chat_request(messages, model, sampling)
+        Options (`RequestOptions`): max_tokens, temperature (0 is greedy), top_p, top_k, min_p,
+        repetition_penalty, seed, stop, logprobs; model; timeout (seconds for the whole call).
+        """
+        return wire.completion_from(list(self.chat_stream(messages, **options)))
+
+    def chat_stream(self, messages: Sequence[Mapping[str, str]], **options: Unpack[RequestOptions]) -> Iterator[Chunk]:
+        """Answers a conversation, yielding the reply as it is generated (see `stream`).
+
+        Options (`RequestOptions`): max_tokens, temperature (0 is greedy), top_p, top_k, min_p,
+        repetition_penalty, seed, stop, logprobs; model; timeout (seconds for the whole call).
+        """
+        request, timeout = wire.request_of(messages, options, chat=True)
         return self._chunks(self._stub.Chat, request, timeout)
 
     def models(self, *, timeout: float = INFO_TIMEOUT) -> list[ModelInfo]:
@@ -206,13 +117,13 @@ class Client:
     ) -> None:
         self.close()
 
-    def _chunks(self, method: _StreamMethod, request: _Request, timeout: float) -> Iterator[Chunk]:
+    def _chunks(self, method: _StreamMethod, request: wire.Request, timeout: float) -> Iterator[Chunk]:
         """The stream's chunks; built eagerly so that the caller's trace context is the one sent."""
-        deadline, metadata = wire.check_timeout(timeout), call_metadata()
+        metadata = call_metadata()
         with_logprobs = request.sampling.HasField("logprobs")
 
         def chunks() -> Iterator[Chunk]:
-            call = method(request, timeout=deadline, metadata=metadata)
+            call = method(request, timeout=timeout, metadata=metadata)
             try:
                 for response in call:
                     yield wire.chunk_from(response, with_logprobs=with_logprobs)

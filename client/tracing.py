@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from types import ModuleType
 
+propagate: ModuleType | None  # tests set this to None to act as if it were absent
 try:
-    from opentelemetry import propagate as _propagate
+    from opentelemetry import propagate
 except ImportError:  # the SDK needs only grpcio and protobuf
-    _propagate = None
-
-propagate: ModuleType | None = _propagate  # tests set this to None to act as if it were absent
+    propagate = None
 
 
 def call_metadata() -> tuple[tuple[str, str], ...]:

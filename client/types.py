@@ -1,15 +1,38 @@
-"""What the client SDK hands back: plain frozen dataclasses, one per kind of answer.
+"""What the client SDK takes and hands back: the options of a request, and plain frozen dataclasses.
 
-Owns the shapes users program against (`Completion`, `Chunk`, `ClusterStatus`, ...). Knows
-nothing of gRPC or of the generated protobuf classes: `layerline.client.wire` fills these in.
+Owns the shapes users program against: `RequestOptions`, the keywords every generating call
+takes, and one dataclass per kind of answer (`Completion`, `Chunk`, `ClusterStatus`, ...).
+Knows nothing of gRPC or of the generated protobuf classes: `layerline.client.wire` checks the
+options, builds the requests and fills these in.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypedDict
 
 FinishReason = Literal["stop", "length"]  # "stop": end-of-sequence or a stop string
+
+
+class RequestOptions(TypedDict, total=False):
+    """The keyword options of `generate`, `stream`, `chat` and `chat_stream`, in both clients.
+
+    A sampling option left out (or None) is not sent, so the server's default applies; a bad
+    value raises ValueError naming it before any call is made, an unknown keyword TypeError.
+    """
+
+    max_tokens: int | None  # tokens to generate at most, >= 1
+    temperature: float | None  # >= 0; 0 is greedy (the server's default is 1.0)
+    top_p: float | None  # in (0, 1]: sample from the smallest set of tokens whose probability reaches p
+    top_k: int | None  # >= 0: sample from the k most likely tokens; 0 keeps all
+    min_p: float | None  # in [0, 1]: drop tokens below min_p times the most likely one's probability
+    repetition_penalty: float | None  # > 0; above 1 discourages tokens already in the sequence
+    seed: int | None  # in [0, 2**64): makes a non-greedy draw reproducible, also after a failover
+    stop: str | Sequence[str] | None  # end the answer before any of these (non-empty) strings
+    logprobs: int | None  # >= 0: each token's logprob, and the n most likely alternatives
+    model: str | None  # the model's name or id; None: the one model the server serves
+    timeout: float  # seconds the whole call may take, > 0; 600 (`wire.GENERATE_TIMEOUT`) when left out
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,19 @@
 """The client SDK's side of the wire: requests built and checked, responses turned into dataclasses.
 
-Owns the only use of the generated protobuf classes in the SDK: sampling parameters validated
-and packed into `SamplingParams` (a parameter left as None is not sent, so the server's default
-applies), `GenerateRequest` / `ChatRequest`, and the conversion of every response into the plain
-dataclasses of `layerline.client.types`. Also owns the two tiny messages of the standard gRPC
-health check, so that the SDK needs no `grpcio-health-checking`, and the check of every call's
-deadline. Knows nothing of channels or threads: `sync` and `aio` make the calls.
+Owns the only use of the generated protobuf classes in the SDK: `request_of`, the one place
+that checks a call's `RequestOptions` and builds its `GenerateRequest` / `ChatRequest` (a
+sampling option left as None is not sent, so the server's default applies) and its deadline,
+and the conversion of every response into the plain dataclasses of `layerline.client.types`.
+Also owns the two tiny messages of the standard gRPC health check, so that the SDK needs no
+`grpcio-health-checking`, and the check of every call's deadline. Knows nothing of channels or
+threads: `sync` and `aio` make the calls.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import Protocol, TypeAlias
 
 import grpc
 from google.protobuf import wrappers_pb2
@@ -27,6 +28,7 @@ from .types import (
     Completion,
     FinishReason,
     ModelInfo,
+    RequestOptions,
     TokenLogprobs,
     Usage,
     WorkerLoad,
@@ -43,6 +45,9 @@ _FINISH: dict[int, FinishReason] = {
     coordinator_pb2.FINISH_REASON_LENGTH: "length",
 }
 _SERVING_STATUS = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
+OPTIONS = tuple(RequestOptions.__annotations__)  # the keywords a generating call takes, in order
+
+Request: TypeAlias = coordinator_pb2.GenerateRequest | coordinator_pb2.ChatRequest
 
 
 class _Enum(Protocol):
@@ -51,68 +56,37 @@ class _Enum(Protocol):
     def Name(self, number: int) -> str: ...
 
 
-def sampling_params(
-    *,
-    max_tokens: int | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    min_p: float | None = None,
-    repetition_penalty: float | None = None,
-    seed: int | None = None,
-    stop: str | Sequence[str] | None = None,
-    logprobs: int | None = None,
-) -> common_pb2.SamplingParams:
-    """Checked parameters; each one given is set (with presence), each None is left absent."""
-    fields: dict[str, int | float] = {}
-    if max_tokens is not None:
-        fields["max_tokens"] = _integer("max_tokens", max_tokens, low=1, high=_UINT32_MAX)
-    if temperature is not None:
-        fields["temperature"] = _number("temperature", temperature, low=0.0)
-    if top_p is not None:
-        fields["top_p"] = _number("top_p", top_p, low=0.0, low_open=True, high=1.0)
-    if top_k is not None:
-        fields["top_k"] = _integer("top_k", top_k, low=0, high=_UINT32_MAX)
-    if min_p is not None:
-        fields["min_p"] = _number("min_p", min_p, low=0.0, high=1.0)
-    if repetition_penalty is not None:
-        fields["repetition_penalty"] = _number("repetition_penalty", repetition_penalty, low=0.0, low_open=True)
-    if seed is not None:
-        fields["seed"] = _integer("seed", seed, low=0, high=_UINT64_MAX)
-    if logprobs is not None:
-        fields["logprobs"] = _integer("logprobs", logprobs, low=0, high=_UINT32_MAX)
-    return common_pb2.SamplingParams(stop=_stop_strings(stop), **fields)
+def request_of(query: object, options: RequestOptions, *, chat: bool) -> tuple[Request, float]:
+    """The request a generating call sends and its deadline in seconds, every argument checked.
+
+    `query` is a prompt (a GenerateRequest), or with `chat` a conversation (a ChatRequest). An
+    option that is not one of `OPTIONS` raises TypeError, a bad value ValueError naming it.
+    """
+    unknown = [name for name in options if name not in OPTIONS]
+    if unknown:
+        raise TypeError(f"unexpected keyword argument {unknown[0]!r}; the options are {', '.join(OPTIONS)}")
+    sampling = common_pb2.SamplingParams(
+        max_tokens=_integer("max_tokens", options.get("max_tokens"), low=1, high=_UINT32_MAX),
+        temperature=_number("temperature", options.get("temperature"), low=0.0),
+        top_p=_number("top_p", options.get("top_p"), low=0.0, low_open=True, high=1.0),
+        top_k=_integer("top_k", options.get("top_k"), low=0, high=_UINT32_MAX),
+        min_p=_number("min_p", options.get("min_p"), low=0.0, high=1.0),
+        repetition_penalty=_number("repetition_penalty", options.get("repetition_penalty"), low=0.0, low_open=True),
+        seed=_integer("seed", options.get("seed"), low=0, high=_UINT64_MAX),
+        logprobs=_integer("logprobs", options.get("logprobs"), low=0, high=_UINT32_MAX),
+        stop=_stop_strings(options.get("stop")),
+    )
+    model = _model(options.get("model"))
+    request = _chat_request(query, model, sampling) if chat else _generate_request(query, model, sampling)
+    return request, check_timeout(options.get("timeout", GENERATE_TIMEOUT))
 
 
-def generate_request(
-    prompt: str, model: str | None, sampling: common_pb2.SamplingParams
-) -> coordinator_pb2.GenerateRequest:
-    if not isinstance(prompt, str):
-        raise ValueError(f"prompt must be a str, got {type(prompt).__name__}")
-    return coordinator_pb2.GenerateRequest(model=_model(model), prompt=prompt, sampling=sampling)
-
-
-def chat_request(
-    messages: Sequence[Mapping[str, str]], model: str | None, sampling: common_pb2.SamplingParams
-) -> coordinator_pb2.ChatRequest:
-    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
-        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
-    wire_messages = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, Mapping):
-            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {message!r}")
-        role, content = message.get("role"), message.get("content")
-        if not isinstance(role, str) or not role:
-            raise ValueError(f"messages[{i}]['role'] must be a non-empty str, got {role!r}")
-        if not isinstance(content, str):
-            raise ValueError(f"messages[{i}]['content'] must be a str, got {type(content).__name__}")
-        wire_messages.append(coordinator_pb2.ChatMessage(role=role, content=content))
-    return coordinator_pb2.ChatRequest(model=_model(model), messages=wire_messages, sampling=sampling)
-
-
-def check_timeout(timeout: float) -> float:
+def check_timeout(timeout: object) -> float:
     """A call's deadline in seconds from now: a finite number > 0."""
-    return _number("timeout", timeout, low=0.0, low_open=True)
+    seconds = _number("timeout", timeout, low=0.0, low_open=True)
+    if seconds is None:
+        raise ValueError("timeout must be a number, got None")
+    return seconds
 
 
 def chunk_from(response: coordinator_pb2.GenerateResponse, *, with_logprobs: bool) -> Chunk:
@@ -212,7 +186,34 @@ def decode_health_response(data: bytes) -> str:
     return _SERVING_STATUS.get(status, f"UNKNOWN_STATUS_{status}")
 
 
-def _integer(name: str, value: int, *, low: int, high: int) -> int:
+def _generate_request(
+    prompt: object, model: str, sampling: common_pb2.SamplingParams
+) -> coordinator_pb2.GenerateRequest:
+    if not isinstance(prompt, str):
+        raise ValueError(f"prompt must be a str, got {type(prompt).__name__}")
+    return coordinator_pb2.GenerateRequest(model=model, prompt=prompt, sampling=sampling)
+
+
+def _chat_request(messages: object, model: str, sampling: common_pb2.SamplingParams) -> coordinator_pb2.ChatRequest:
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    wire_messages = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {message!r}")
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"messages[{i}]['role'] must be a non-empty str, got {role!r}")
+        if not isinstance(content, str):
+            raise ValueError(f"messages[{i}]['content'] must be a str, got {type(content).__name__}")
+        wire_messages.append(coordinator_pb2.ChatMessage(role=role, content=content))
+    return coordinator_pb2.ChatRequest(model=model, messages=wire_messages, sampling=sampling)
+
+
+def _integer(name: str, value: object, *, low: int, high: int) -> int | None:
+    """`value` checked; None passes as None (not sent)."""
+    if value is None:
+        return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an int, got {value!r}")
     if value < low:
@@ -224,12 +225,15 @@ def _integer(name: str, value: int, *, low: int, high: int) -> int:
 
 def _number(
     name: str,
-    value: float,
+    value: object,
     *,
     low: float,
     low_open: bool = False,
     high: float | None = None,
-) -> float:
+) -> float | None:
+    """`value` checked, as a float; None passes as None (not sent)."""
+    if value is None:
+        return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}")
     number = float(value)
@@ -244,7 +248,7 @@ def _number(
     return number
 
 
-def _stop_strings(stop: str | Sequence[str] | None) -> list[str]:
+def _stop_strings(stop: object) -> list[str]:
     if stop is None:
         return []
     strings = [stop] if isinstance(stop, str) else stop
@@ -256,7 +260,7 @@ def _stop_strings(stop: str | Sequence[str] | None) -> list[str]:
     return list(strings)
 
 
-def _model(model: str | None) -> str:
+def _model(model: object) -> str:
     if model is not None and not isinstance(model, str):
         raise ValueError(f"model must be a str or None, got {type(model).__name__}")
     return model or ""

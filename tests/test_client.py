@@ -109,6 +109,9 @@ class ScriptedCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
         elif key == "busy":
             context.set_trailing_metadata((("retry-after-ms", "1500"),))
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, BUSY_DETAILS)
+        elif key == "busy, pushback only":
+            context.set_trailing_metadata((("grpc-retry-pushback-ms", "250"),))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, BUSY_DETAILS)
         elif key == "slow":
             for _ in range(200):  # 10 s at most; the client's deadline ends it long before
                 if not context.is_active():
@@ -226,6 +229,7 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
 
 
+MESSAGES = [{"role": "user", "content": "Hi"}]
 STORY_COMPLETION = Completion(
     text="Once there was", token_ids=[101, 102, 103, 104], finish_reason="stop", usage=Usage(4, 4), logprobs=None
 )
@@ -323,6 +327,34 @@ def test_resource_exhausted_carries_the_retry_hint(client: Client) -> None:
     assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert caught.value.details == BUSY_DETAILS and caught.value.retry_after == 1.5
     assert isinstance(caught.value, LayerlineError)
+
+
+def test_grpc_retry_pushback_alone_is_the_retry_hint(client: Client) -> None:
+    with pytest.raises(ResourceExhausted) as caught:
+        client.generate("busy, pushback only")
+    assert caught.value.metadata == (("grpc-retry-pushback-ms", "250"),)
+    assert caught.value.retry_after == 0.25
+
+
+@pytest.mark.parametrize(
+    ("metadata", "retry_after"),
+    [
+        ((("retry-after-ms", "1500"), ("grpc-retry-pushback-ms", "250")), 1.5),
+        ((("grpc-retry-pushback-ms", "250"), ("retry-after-ms", "1500")), 1.5),
+        ((("Retry-After-Ms", b"20"),), 0.02),
+        ((("retry-after-ms", "-5"),), 0.0),
+        ((("retry-after-ms", "soon"), ("grpc-retry-pushback-ms", "250")), 0.25),
+        ((("retry-after-ms", "nan"), ("grpc-retry-pushback-ms", "inf")), None),
+        ((("grpc-retry-pushback-ms", "-1"),), None),
+        ((("x-other", "100"),), None),
+        ((), None),
+    ],
+)
+def test_retry_after_reads_either_trailer(
+    metadata: tuple[tuple[str, str | bytes], ...], retry_after: float | None
+) -> None:
+    error = ResourceExhausted(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", metadata=metadata)
+    assert error.retry_after == retry_after
 
 
 def test_deadline_exceeded(client: Client) -> None:
@@ -469,6 +501,25 @@ def test_bad_arguments_raise_before_anything_is_sent(
     assert coordinator.received == []
 
 
+OPTIONS_HINT = (
+    "the options are max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed, stop, logprobs, "
+    "model, timeout"
+)
+
+
+@pytest.mark.parametrize(
+    ("method", "query"),
+    [("generate", "Once upon a time"), ("stream", "Once upon a time"), ("chat", MESSAGES), ("chat_stream", MESSAGES)],
+)
+def test_an_unknown_keyword_is_a_type_error_naming_it(
+    client: Client, coordinator: ScriptedCoordinator, method: str, query: Any
+) -> None:
+    with pytest.raises(TypeError) as caught:
+        getattr(client, method)(query, max_tokens=4, max_token=32)
+    assert str(caught.value) == f"unexpected keyword argument 'max_token'; {OPTIONS_HINT}"
+    assert coordinator.received == []
+
+
 @pytest.mark.parametrize(
     ("messages", "message"),
     [
@@ -544,6 +595,12 @@ def test_async_errors_are_typed(server: tuple[str, ScriptedCoordinator], coordin
                 await c.health("no.such.Service")
             with pytest.raises(ValueError, match="max_tokens must be >= 1, got 0"):
                 c.stream("Once upon a time", max_tokens=0)
+            with pytest.raises(TypeError) as unknown:
+                c.chat_stream(MESSAGES, temprature=0.5)  # type: ignore[call-arg]
+            assert str(unknown.value) == f"unexpected keyword argument 'temprature'; {OPTIONS_HINT}"
+            with pytest.raises(TypeError) as unknown:
+                await c.generate("Once upon a time", seeds=3)  # type: ignore[call-arg]
+            assert str(unknown.value) == f"unexpected keyword argument 'seeds'; {OPTIONS_HINT}"
             async with aclosing(c.stream("endless")) as endless:
                 assert (await anext(endless)).token_ids == [0]
 
