@@ -14,10 +14,11 @@ from typing import Protocol, runtime_checkable
 import grpc
 
 # Trailing metadata that says how long to wait before retrying, in milliseconds. The coordinator
-# sends both; `retry-after-ms` is read first, gRPC's standard pushback (gRFC A6) when it is
-# absent or not a finite number.
-RETRY_AFTER_KEY = "retry-after-ms"  # a negative value means "now"
-RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"  # a negative value means "do not retry": no hint
+# sends both; `retry-after-ms` is read first (a negative value means "now"), gRPC's standard
+# pushback (gRFC A6; a negative value means "do not retry": no hint) when it is absent or not a
+# finite number.
+from layerline.shared.rpc import PUSHBACK_KEY as RETRY_PUSHBACK_KEY
+from layerline.shared.rpc import RETRY_AFTER_KEY
 
 Metadata = tuple[tuple[str, str | bytes], ...]
 

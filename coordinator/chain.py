@@ -202,7 +202,7 @@ class ChainClient:
             if call is not None:
                 call.cancel()
         for channel in self._channels.values():
-            await channel.close()
+            await channel.close(None)
 
 
 def _settle(future: asyncio.Future[stage_pb2.StepResult] | None, result: stage_pb2.StepResult) -> None:

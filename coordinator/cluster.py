@@ -25,11 +25,11 @@ from layerline.shared.errors import Code, Unreachable
 from .chain import ChainClient, ProbeFailed, probe
 from .registry import Registry, Worker, build_chains
 from .scheduler import ChainScheduler, Sequence, StepFailed
+from .settings import DEFAULT_PREFIX_CACHE
 
 log = logging.getLogger(__name__)
 
 FAILOVER_CODES = (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED)  # a hop is gone or stuck: move, do not fail
-DEFAULT_PREFIX_CACHE = 0.25  # share of a chain's KV memory that finished sequences may keep as lenders
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,9 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Coroutine
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from layerline.shared.errors import Code
 from layerline.shared.sampling import SamplingParams
@@ -116,7 +116,7 @@ class ChainScheduler:
         block_size: int = 1,
         kv_blocks: int | None = None,
         on_step_failed: Callable[[list[Sequence], StepFailed], None],
-        release: Callable[[list[str]], Awaitable[None]],
+        release: Callable[[list[str]], Coroutine[Any, Any, None]],
         on_failover_gap: Callable[[float], None] = lambda seconds: None,
         on_shared_prefix: Callable[[int], None] = lambda tokens: None,
     ) -> None:

@@ -1,6 +1,6 @@
-"""The coordinator process: settings, the gRPC server, the maintenance loop, clean stop.
+"""The coordinator process: the gRPC server, the maintenance loop, clean stop.
 
-Owns `CoordinatorSettings`, wiring the registry, cluster, services and telemetry together, the
+Owns wiring the registry, cluster, services and telemetry together, the
 standard health service, and the process lifecycle (SIGTERM: stop admitting, finish in-flight
 requests, export the spans still buffered, exit 0). Never imports torch.
 """
@@ -8,10 +8,8 @@ requests, export the spans still buffered, exit 0). Never imports torch.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -19,44 +17,25 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from layerline.model_store import resolve_model
 from layerline.protos.v1 import coordinator_pb2_grpc
-from layerline.shared.rpc import DEFAULT_MAX_MESSAGE_BYTES, listen, server_options
-from layerline.shared.telemetry import Telemetry, TelemetrySettings
+from layerline.shared.model_config import ModelConfig
+from layerline.shared.rpc import listen, server_options
+from layerline.shared.telemetry import Telemetry
 
-from .cluster import DEFAULT_PREFIX_CACHE, Cluster
+from .cluster import Cluster
 from .registry import Registry
 from .servicer import Admission, CoordinatorServicer, RegistryServicer
+from .settings import CoordinatorSettings
 from .telemetry import CoordinatorTelemetry
 from .text import TextModel
 
 log = logging.getLogger("layerline.coordinator")
 
 
-@dataclass(frozen=True)
-class CoordinatorSettings:
-    model: str = "smollm2-135m-instruct"  # checkpoint dir or known name: tokenizer and layer count
-    host: str = "127.0.0.1"  # interface to listen on
-    port: int = 7070  # port to listen on; 0 picks a free one
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # gRPC message limit
-    default_max_tokens: int = 256  # when a request does not say
-    max_active: int = 256  # sequences generating at once
-    max_queued: int = 512  # requests waiting for a slot before RESOURCE_EXHAUSTED
-    rate_limit: float = 1000.0  # new requests admitted per second
-    token_budget: int = 512  # tokens per micro-batch step
-    share_prefixes: bool = True  # a new sequence copies the KV of a prefix a live one already computed
-    prefix_cache: float = DEFAULT_PREFIX_CACHE  # share of a chain's KV that finished sequences may keep
-    depth: int | None = None  # micro-batches in flight per chain; default: the chain's length
-    heartbeat_interval: float = 1.0  # seconds between a worker's heartbeats
-    heartbeat_expiry: float = 5.0  # a worker unheard of this long leaves routing
-    probe_interval: float = 15.0  # seconds between readiness probes (a real forward) of a worker
-    grace_seconds: float = 30.0  # how long SIGTERM waits for in-flight requests
-    telemetry: TelemetrySettings = TelemetrySettings()  # traces and Prometheus metrics; off by default
-
-
 async def serve(settings: CoordinatorSettings, *, stop: asyncio.Event | None = None) -> None:
     checkpoint = resolve_model(settings.model)
-    config = json.loads((Path(checkpoint) / "config.json").read_text())
+    config = ModelConfig.from_checkpoint(checkpoint)
     text = TextModel.from_checkpoint(checkpoint)
-    registry = Registry(num_layers=int(config["num_hidden_layers"]), expiry=settings.heartbeat_expiry)
+    registry = Registry(num_layers=config.num_layers, expiry=settings.heartbeat_expiry)
     telemetry = Telemetry(settings.telemetry, service="layerline-coordinator")
     cluster = Cluster(
         registry,
@@ -73,7 +52,7 @@ async def serve(settings: CoordinatorSettings, *, stop: asyncio.Event | None = N
         max_queued=settings.max_queued,
         rate_limit=settings.rate_limit,
         default_max_tokens=settings.default_max_tokens,
-        max_context=int(config.get("max_position_embeddings", 2048)),
+        max_context=config.max_position_embeddings,
     )
     observed = CoordinatorTelemetry(telemetry, model_name=Path(checkpoint).name)
     servicer = CoordinatorServicer(
@@ -86,7 +65,7 @@ async def serve(settings: CoordinatorSettings, *, stop: asyncio.Event | None = N
     coordinator_pb2_grpc.add_RegistryServicer_to_server(
         RegistryServicer(cluster, heartbeat_interval=settings.heartbeat_interval), server
     )
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]  # not in grpc-stubs
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = listen(server, f"{settings.host}:{settings.port}")
     await server.start()
@@ -135,3 +114,6 @@ async def _probe(cluster: Cluster, *, every: float) -> None:
 def run_coordinator(settings: CoordinatorSettings) -> int:
     asyncio.run(serve(settings))
     return 0
+
+
+__all__ = ["CoordinatorSettings", "run_coordinator", "serve"]

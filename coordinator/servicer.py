@@ -15,12 +15,14 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import NoReturn
 
 import grpc
 from asyncio_throttle import Throttler
 
 from layerline.protos.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, tensor_pb2
-from layerline.shared.rpc import grpc_status
+from layerline.shared.errors import InvalidInput, OverLimit, status_of
+from layerline.shared.rpc import PUSHBACK_KEY, RETRY_AFTER_KEY, grpc_status
 from layerline.shared.sampling import SamplingParams
 from layerline.shared.wire import sampling_from_wire
 
@@ -68,7 +70,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
         if not request.prompt:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt must not be empty")
+            await _abort(context, InvalidInput("prompt must not be empty"))
         ids = self.text.encode(request.prompt)
         async for response in self._generate(
             ids, request.sampling, context, model=request.model, operation="text_completion"
@@ -79,11 +81,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self, request: coordinator_pb2.ChatRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
         if not request.messages:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "messages must not be empty")
+            await _abort(context, InvalidInput("messages must not be empty"))
         try:
             ids = self.text.encode_chat([{"role": m.role, "content": m.content} for m in request.messages])
-        except ValueError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except ValueError as err:  # the chat template's refusals are the caller's to fix
+            await _abort(context, InvalidInput(str(err)))
         async for response in self._generate(ids, request.sampling, context, model=request.model, operation="chat"):
             yield response
 
@@ -125,29 +127,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         sequence_id: str,
         observed: RequestTelemetry,
     ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
-        served = {self.model_name} | {c.workers[0].model_id for c in self.cluster.chains}
-        if model and model not in served:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"model {model!r} is not served here; this coordinator serves {self.model_name!r}",
-            )
         try:
-            sampling, max_tokens, stop = self._sampling(params)
-        except ValueError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        observed.set_sampling(sampling, max_tokens=max_tokens)
-        if len(ids) + max_tokens > self.admission.max_context:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"prompt of {len(ids)} tokens plus max_tokens = {max_tokens} exceeds the context "
-                f"length of {self.admission.max_context} tokens",
-            )
-        if self.queued >= self.admission.max_queued:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{self.queued} requests already wait (max_queued = {self.admission.max_queued}); retry later",
-                trailing_metadata=(("retry-after-ms", "1000"), ("grpc-retry-pushback-ms", "1000")),
-            )
+            sampling, max_tokens, stop = self._admissible(ids, params, model=model, observed=observed)
+        except (InvalidInput, OverLimit) as err:
+            await _abort(context, err)
         self.queued += 1
         try:
             async with self._throttler:
@@ -169,7 +152,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             try:
                 self.cluster.place(gen.sequence)
             except NoChainError as err:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+                await _abort(context, err)
             async for event in gen.events():
                 if isinstance(event, Delta):
                     yield _delta(event)
@@ -188,13 +171,33 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             self.active -= 1
             self._slots.release()
 
+    def _admissible(
+        self, ids: list[int], params: common_pb2.SamplingParams, *, model: str, observed: RequestTelemetry
+    ) -> tuple[SamplingParams, int, list[str]]:
+        """The request's sampling, max_tokens and stop strings; InvalidInput or QueueFull if it cannot wait."""
+        served = {self.model_name} | {c.workers[0].model_id for c in self.cluster.chains}
+        if model and model not in served:
+            raise InvalidInput(f"model {model!r} is not served here; this coordinator serves {self.model_name!r}")
+        sampling, max_tokens, stop = self._sampling(params)
+        observed.set_sampling(sampling, max_tokens=max_tokens)
+        if len(ids) + max_tokens > self.admission.max_context:
+            raise InvalidInput(
+                f"prompt of {len(ids)} tokens plus max_tokens = {max_tokens} exceeds the context "
+                f"length of {self.admission.max_context} tokens"
+            )
+        if self.queued >= self.admission.max_queued:
+            raise QueueFull(
+                f"{self.queued} requests already wait (max_queued = {self.admission.max_queued}); retry later"
+            )
+        return sampling, max_tokens, stop
+
     def _sampling(self, p: common_pb2.SamplingParams) -> tuple[SamplingParams, int, list[str]]:
         max_tokens = p.max_tokens if p.HasField("max_tokens") else self.admission.default_max_tokens
         if max_tokens < 1:
-            raise ValueError(f"max_tokens = {max_tokens} must be >= 1")
+            raise InvalidInput(f"max_tokens = {max_tokens} must be >= 1")
         stop = list(p.stop)
         if len(stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_STRING_CHARS for s in stop):
-            raise ValueError(
+            raise InvalidInput(
                 f"stop takes at most {MAX_STOP_STRINGS} strings of 1 to {MAX_STOP_STRING_CHARS} characters"
             )
         sampling = sampling_from_wire(p)
@@ -330,7 +333,7 @@ def _worker_info(w: Worker) -> common_pb2.WorkerInfo:
         layer_start=w.layer_start,
         layer_end=w.layer_end,
         num_layers=w.num_layers,
-        dtype=tensor_pb2.DType.Value(w.dtype.upper()),
+        dtype=w.dtype.upper(),  # the enum by name
         device=w.device,
         tp_size=w.tp_size,
         kv_blocks_total=w.kv_blocks_total,
@@ -341,10 +344,23 @@ def _worker_info(w: Worker) -> common_pb2.WorkerInfo:
         weights_bytes=w.weights_bytes,
         steps_computed=w.steps_computed,
         compute_seconds=w.compute_seconds,
-        state=common_pb2.WorkerState.Value(state)
-        if state in common_pb2.WorkerState.keys()
-        else common_pb2.WORKER_STATE_NOT_SERVING,
+        state=state if state in common_pb2.WorkerState.keys() else "WORKER_STATE_NOT_SERVING",
     )
+
+
+class QueueFull(OverLimit):
+    """Too many requests wait for a generation slot; the caller may retry after `retry_after_ms`."""
+
+    retry_after_ms = 1000
+
+
+async def _abort(context: grpc.aio.ServicerContext, err: Exception) -> NoReturn:
+    """End the call with the status of `err`'s kind (`errors.STATUS_OF`) and its message; a refusal
+    that may pass later carries the retry hint in both trailers (ours and gRPC's standard one)."""
+    hint = getattr(err, "retry_after_ms", None)
+    trailers = () if hint is None else ((RETRY_AFTER_KEY, str(hint)), (PUSHBACK_KEY, str(hint)))
+    await context.abort(grpc_status(status_of(err)), str(err), trailing_metadata=trailers)
+    raise AssertionError("context.abort returns only by raising")
 
 
 def _delta(event: Delta) -> coordinator_pb2.GenerateResponse:

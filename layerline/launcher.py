@@ -10,7 +10,6 @@ however it is left. Imports neither torch nor the model code.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import signal
 import socket
@@ -22,7 +21,11 @@ from pathlib import Path
 
 import grpc
 
+from layerline.coordinator.settings import CoordinatorSettings
 from layerline.protos.v1 import coordinator_pb2, coordinator_pb2_grpc
+from layerline.shared.model_config import ModelConfig
+from layerline.shared.settings import format_size
+from layerline.stage_worker.settings import StageSettings
 
 
 @dataclass(frozen=True)
@@ -31,10 +34,10 @@ class ClusterPlan:
     stages: int = 2  # pipeline stages per chain
     replicas: int = 1  # chains side by side
     tp: int = 1  # tensor-parallel ranks per stage
-    dtype: str = "float32"
-    port: int = 7070  # coordinator port
+    dtype: str = StageSettings.dtype  # every stage worker's --dtype
+    port: int = CoordinatorSettings.port  # coordinator port
     host: str = "127.0.0.1"
-    kv_memory: str = "256M"  # per stage worker
+    kv_memory: str = format_size(StageSettings.kv_memory_bytes)  # per stage worker
     log_dir: Path | None = None  # where each process's log goes; default: a temp folder
     layer_ranges: tuple[tuple[int, int], ...] | None = None  # explicit (uneven) split; default: even
     coordinator_args: tuple[str, ...] = ()  # extra `layerline coordinator` flags
@@ -63,16 +66,6 @@ def split_layers(num_layers: int, stages: int, *, head_weight: float = 0.0) -> l
     return list(itertools.pairwise(bounds))
 
 
-def head_weight(config: dict) -> float:
-    """How many decoder layers' worth of weights the LM head is (the work of a decode step)."""
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    kv_heads = config.get("num_key_value_heads", heads)
-    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, o and k, v
-    return config["vocab_size"] * hidden / (attention + 3 * hidden * inter)
-
-
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -84,11 +77,11 @@ class LocalCluster:
         self.plan = plan
         self.checkpoint = checkpoint
         self.address = f"{plan.host}:{plan.port}"
-        config = json.loads((checkpoint / "config.json").read_text())
+        config = ModelConfig.from_checkpoint(checkpoint)
         self.ranges = (
             list(plan.layer_ranges)
             if plan.layer_ranges
-            else split_layers(config["num_hidden_layers"], plan.stages, head_weight=head_weight(config))
+            else split_layers(config.num_layers, plan.stages, head_weight=config.head_weight)
         )
         workers = len(self.ranges) * plan.replicas
         if plan.metrics_port and plan.metrics_port + workers > 65535:

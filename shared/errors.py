@@ -72,7 +72,7 @@ STATUS_OF: dict[type[Exception], Code] = {
 def status_of(err: BaseException) -> Code:
     """The status `err` answers with; INTERNAL for anything that is not a known kind (a defect)."""
     for kind in type(err).__mro__:
-        code = STATUS_OF.get(kind)  # type: ignore[call-overload]
+        code = STATUS_OF.get(kind)
         if code is not None:
             return code
     return Code.INTERNAL

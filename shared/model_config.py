@@ -1,7 +1,9 @@
-"""The model configuration a stage worker builds from: parsed, validated, frozen.
+"""The model configuration every process reads: parsed, validated, frozen.
 
 Owns the mapping from a Hugging Face `config.json` of the Llama family (Llama 2 and 3, Mistral,
-Qwen2, SmolLM2) to one frozen `ModelConfig`, and the half-open `LayerRange` a stage serves.
+Qwen2, SmolLM2) to one frozen `ModelConfig`, with transformers' defaults for a missing field,
+and the half-open `LayerRange` a stage serves. The coordinator (context length, layer count),
+the launcher (how to split the layers) and the stage worker (everything) read the same object.
 Knows nothing of torch, weights or the network: every check here is on plain values, and every
 refusal names the config field and what would be accepted.
 """
@@ -16,6 +18,8 @@ from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# max_position_embeddings when config.json leaves it out: what transformers assumes per family.
+DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768}
 
 
 class ConfigError(ValueError):
@@ -91,7 +95,9 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope=_rope_config(raw),
-            max_position_embeddings=_positive_int(raw, "max_position_embeddings", default=4096),
+            max_position_embeddings=_positive_int(
+                raw, "max_position_embeddings", default=DEFAULT_MAX_POSITIONS[model_type]
+            ),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
@@ -100,6 +106,13 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+    @property
+    def head_weight(self) -> float:
+        """How many decoder layers' worth of weights the LM head is (the work of a decode step)."""
+        attention = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)  # q, o, k, v
+        layer = attention + 3 * self.hidden_size * self.intermediate_size  # and gate, up, down
+        return self.vocab_size * self.hidden_size / layer
 
     @classmethod
     def from_checkpoint(cls, checkpoint: str | Path) -> ModelConfig:

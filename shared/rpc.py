@@ -7,32 +7,23 @@ error vocabulary's `Code` and gRPC's `StatusCode`. Imports grpc only; safe for t
 
 from __future__ import annotations
 
-import re
 from typing import Protocol
 
 import grpc
 
 from .errors import Code
+from .settings import DEFAULT_MAX_MESSAGE_BYTES
 
-DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "channel_options", "code_of", "grpc_status", "listen", "server_options"]
+
+RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata of a refusal that may pass later: wait this long (ms)
+PUSHBACK_KEY = "grpc-retry-pushback-ms"  # gRPC's standard name for the same hint (its retry policy reads it)
 KEEPALIVE_MS = 10_000  # ping an idle long-lived stream this often
 KEEPALIVE_TIMEOUT_MS = 5_000  # and call it dead when a ping is not answered in this time
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
 class AddsPorts(Protocol):  # grpc.Server and grpc.aio.Server
     def add_insecure_port(self, address: str) -> int: ...
-
-
-def parse_size(text: str) -> int:
-    """'512MiB', '2G', '65536' -> bytes (binary units; a trailing 'b' or 'ib' is optional)."""
-    match = _SIZE.match(text)
-    if not match:
-        raise ValueError(f"size {text!r} is not a number with an optional unit (K, M, G, T), e.g. 512M")
-    number, unit = match.groups()
-    return int(float(number) * _UNITS[(unit or "").lower()[:1]])
 
 
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:

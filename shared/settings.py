@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import re
 import typing
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -18,6 +20,11 @@ from urllib.parse import urlsplit
 
 TRACE_MODES = ("off", "console", "otlp")
 DTYPES = ("float32", "bfloat16", "float16")  # weights and activations of a stage, as torch names them
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # gRPC message limit of every channel and server
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"  # every long-running process's log lines
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 S = TypeVar("S")
 
@@ -53,6 +60,28 @@ def collector_url(endpoint: str) -> str:
             f"--otlp-endpoint {endpoint!r} is not HOST:PORT or http(s)://HOST:PORT (http: plaintext, https: TLS)"
         )
     return url
+
+
+def parse_size(text: str) -> int:
+    """'512MiB', '2G', '65536' -> bytes (binary units; a trailing 'b' or 'ib' is optional)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"size {text!r} is not a number with an optional unit (K, M, G, T), e.g. 512M")
+    number, unit = match.groups()
+    return int(float(number) * _UNITS[(unit or "").lower()[:1]])
+
+
+def format_size(nbytes: int) -> str:
+    """Bytes in the largest binary unit that divides them: 268435456 -> '256M' (`parse_size` reads it)."""
+    for unit in ("T", "G", "M", "K"):
+        if nbytes and nbytes % _UNITS[unit.lower()] == 0:
+            return f"{nbytes // _UNITS[unit.lower()]}{unit}"
+    return str(nbytes)
+
+
+def configure_logging() -> None:
+    """Log lines for long-running processes (stage workers and their ranks, the coordinator)."""
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
 
 
 def to_json(settings: object) -> str:

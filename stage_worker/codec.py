@@ -53,17 +53,17 @@ class FrameLimitError(OverLimit, FrameError):
     """A tensor frame is well-formed but breaches a CodecLimits bound (RESOURCE_EXHAUSTED)."""
 
 
-_TORCH_DTYPE: dict[int, torch.dtype] = {
+_TORCH_DTYPE: dict[tensor_pb2.DType, torch.dtype] = {
     tensor_pb2.FLOAT32: torch.float32,
     tensor_pb2.BFLOAT16: torch.bfloat16,
     tensor_pb2.FLOAT16: torch.float16,
     tensor_pb2.INT64: torch.int64,
     tensor_pb2.INT32: torch.int32,
 }
-_WIRE_DTYPE: dict[torch.dtype, int] = {dt: wire for wire, dt in _TORCH_DTYPE.items()}
+_WIRE_DTYPE: dict[torch.dtype, tensor_pb2.DType] = {dt: wire for wire, dt in _TORCH_DTYPE.items()}
 
 
-def dtype_to_wire(dtype: torch.dtype) -> int:
+def dtype_to_wire(dtype: torch.dtype) -> tensor_pb2.DType:
     """The `DType` enum value of a torch dtype; TypeError for one the wire does not carry."""
     try:
         return _WIRE_DTYPE[dtype]
@@ -74,7 +74,7 @@ def dtype_to_wire(dtype: torch.dtype) -> int:
 
 def dtype_from_wire(value: int, *, field: str = "dtype") -> torch.dtype:
     """The torch dtype of a `DType` enum value; FrameError naming `field` if unknown or unset."""
-    dtype = _TORCH_DTYPE.get(value)
+    dtype = _TORCH_DTYPE.get(value)  # type: ignore[call-overload]  # any int may arrive, not only a DType
     if dtype is None:
         known = ", ".join(f"{tensor_pb2.DType.Name(v)} ({v})" for v in _TORCH_DTYPE)
         what = "dtype must be set" if value == tensor_pb2.DTYPE_UNSPECIFIED else "unknown dtype"
@@ -109,7 +109,7 @@ def _tensor_from(buf: bytearray, dtype: torch.dtype, shape: tuple[int, ...]) -> 
     return torch.frombuffer(buf, dtype=dtype).reshape(shape)
 
 
-def _bytes_of(t: torch.Tensor) -> tuple[int, torch.Tensor]:
+def _bytes_of(t: torch.Tensor) -> tuple[tensor_pb2.DType, torch.Tensor]:
     """(DType value, the tensor's bytes as a flat contiguous CPU uint8 tensor)."""
     wire = dtype_to_wire(t.dtype)
     if t.numel() == 0:

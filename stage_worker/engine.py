@@ -12,6 +12,7 @@ Knows nothing of gRPC, of the next hop or of which requests the sequences belong
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -79,6 +80,8 @@ class StageEngine:
         self.max_step_tokens = max_step_tokens
         self.samples = samples  # False on tensor-parallel ranks > 0: rank 0 alone samples
         self.dtype = next(model.parameters()).dtype
+        self.steps_computed = 0  # steps `run` completed since the start, and their compute time
+        self.compute_seconds = 0.0
         self._lock = threading.Lock()
         # On CPU a step of a few tokens is bound by memory bandwidth: one thread reads the weights
         # as fast as several, and leaves the other cores to co-located processes.
@@ -87,6 +90,7 @@ class StageEngine:
         # machine shared by a chain's stages, the others mostly wait for it.
         self.prefill_threads = prefill_threads or self.max_threads
         self._threads = torch.get_num_threads()
+        model.set_threads(self._threads)  # and again each time `_use_threads` changes it
 
     @property
     def is_first(self) -> bool:
@@ -104,19 +108,27 @@ class StageEngine:
         """Readiness: a real one-token forward through this stage on scratch KV, then released."""
         sid = "\x00probe"
         hidden = None if self.is_first else torch.zeros(1, self.config.hidden_size, dtype=self.dtype)
-        out = self.run([SequenceStep(sid, (0,), (0,) if self.is_first else ())], hidden)
+        out = self._step([SequenceStep(sid, (0,), (0,) if self.is_first else ())], hidden, alone=True)
         self.release(sid)
         if out.errors:
             raise out.errors[0].error
 
-    @torch.inference_mode()
     def run(
         self, seqs: Sequence[SequenceStep], hidden: torch.Tensor | None = None, *, alone: bool = True
     ) -> StepOutput:
         """Run one micro-batch. `hidden` is [sum of tokens, hidden_size] on later stages.
 
         `alone`: no other step of the chain is in flight, so a large one may take `prefill_threads`.
+        A step that returns is counted in `steps_computed` and `compute_seconds` (the probe is not).
         """
+        started = time.perf_counter()
+        out = self._step(seqs, hidden, alone=alone)
+        self.compute_seconds += time.perf_counter() - started
+        self.steps_computed += 1
+        return out
+
+    @torch.inference_mode()
+    def _step(self, seqs: Sequence[SequenceStep], hidden: torch.Tensor | None, *, alone: bool) -> StepOutput:
         with self._lock:
             if self.cache.device.type == "cpu":
                 self._use_threads(sum(s.num_tokens for s in seqs), alone=alone)
@@ -131,6 +143,7 @@ class StageEngine:
             wanted = self.max_threads
         if wanted != self._threads:
             torch.set_num_threads(wanted)
+            self.model.set_threads(wanted)
             self._threads = wanted
 
     def _run(self, seqs: Sequence[SequenceStep], hidden: torch.Tensor | None) -> StepOutput:
@@ -248,6 +261,11 @@ class StageEngine:
                 f"sequence {sid!r} position {seq.positions[-1]} exceeds the model's "
                 f"max_position_embeddings of {self.config.max_position_embeddings}"
             )
+        self._check_tokens(seq)
+
+    def _check_tokens(self, seq: SequenceStep) -> None:
+        """The token ids the first stage embeds, and what the last stage samples with."""
+        sid = seq.sequence_id
         if self.is_first:
             if len(seq.token_ids) != seq.num_tokens:
                 raise StepInputError(

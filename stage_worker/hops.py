@@ -117,7 +117,7 @@ class NextHop:
         if self._call is not None:
             self._call.cancel()
         if self._channel is not None:
-            await self._channel.close()
+            await self._channel.close(None)
         self._channel = self._call = None
 
 

@@ -144,7 +144,7 @@ class LeadingEngine:
         self.engine = engine
         self._wire = _Wire(group, leader=True)
 
-    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+    def __getattr__(self, name: str):
         return getattr(self.engine, name)  # is_first, is_last, cache, config, model ...
 
     def _op(self, op: int) -> None:

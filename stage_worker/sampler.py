@@ -60,12 +60,12 @@ def sample(
     asking = [i for i, p in enumerate(params) if p.logprobs is not None]
     if asking:
         raw = torch.log_softmax(logits[asking], dim=-1)  # [A, vocab]
-        for row, i in enumerate(asking):
+        for at, i in enumerate(asking):
             top: tuple[tuple[int, float], ...] = ()
             if params[i].logprobs:  # n > 0: the n most likely alternatives too
-                values, ids = torch.topk(raw[row], params[i].logprobs)  # type: ignore[arg-type]
+                values, ids = torch.topk(raw[at], params[i].logprobs)  # type: ignore[arg-type]
                 top = tuple(zip(ids.tolist(), values.tolist()))
-            draws[i] = Draw(tokens[i], float(raw[row, tokens[i]]), top)
+            draws[i] = Draw(tokens[i], float(raw[at, tokens[i]]), top)
     return draws
 
 

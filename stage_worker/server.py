@@ -1,6 +1,6 @@
 """A stage worker process: load the layers, serve them over gRPC, stop cleanly on SIGTERM.
 
-Owns the process's settings (`StageSettings`), model loading and KV pool sizing, the gRPC
+Owns model loading and KV pool sizing (as `StageSettings` say), the gRPC
 server with the StageWorker and standard health services, its telemetry, and the process
 lifecycle. Health is SERVING only once the weights are loaded and a real one-token forward has
 run, NOT_SERVING while stopping.
@@ -18,7 +18,6 @@ import socket
 import subprocess
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -28,8 +27,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from layerline.model_store import resolve_model
 from layerline.protos.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, stage_pb2_grpc
 from layerline.shared.model_config import LayerRange, ModelConfig
-from layerline.shared.rpc import DEFAULT_MAX_MESSAGE_BYTES, channel_options, listen, server_options
-from layerline.shared.telemetry import Telemetry, TelemetrySettings
+from layerline.shared.rpc import channel_options, listen, server_options
+from layerline.shared.settings import to_json
+from layerline.shared.telemetry import Telemetry
 
 from . import tp_group
 from .codec import CodecLimits, dtype_to_wire
@@ -39,6 +39,7 @@ from .kv_cache import CacheShape, PagedKVCache
 from .parallel import TensorParallel
 from .ranks import LeadingEngine, RankFailed, follow
 from .servicer import StageServicer, StreamLimits
+from .settings import StageSettings
 from .step_telemetry import StageTelemetry
 from .weights import load_stage, model_id
 
@@ -46,41 +47,7 @@ log = logging.getLogger("layerline.stage")
 
 KEEPALIVE_SECONDS = 2.0  # how often rank 0 checks on idle tensor-parallel ranks
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class StageSettings:
-    model: str  # checkpoint directory, or a known model name fetched on first use
-    layers: str  # the half-open layer range "START:END"
-    host: str = "127.0.0.1"  # interface to listen on
-    port: int = 0  # port to listen on; 0 picks a free one
-    advertise: str | None = None  # address peers reach this stage at; default host:port
-    coordinator: str | None = None  # coordinator address to register with
-    dtype: str = "float32"  # weights and activations: float32, bfloat16 or float16
-    device: str = "cpu"  # torch device: cpu, cuda, cuda:1 ...
-    kv_memory_bytes: int = 256 << 20  # budget of the preallocated KV block pool
-    kv_block_size: int = 16  # tokens per KV block
-    weight_layout: str = "both"  # float32 on CPU: plain and oneDNN-packed linear weights, or one of them
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # gRPC message limit; larger tensors are chunked
-    max_tensor_bytes: int = 1 << 30  # largest hidden-state tensor accepted in one step
-    max_in_flight: int = 16  # steps per upstream stream received and not yet answered
-    max_sequences: int = 1024  # sequences in one step
-    max_step_tokens: int = 8192  # tokens in one step
-    threads: int | None = None  # torch CPU threads; default: all cores
-    prefill_threads: int | None = None  # threads for steps of 64 tokens or more; default: `threads`
-    grace_seconds: float = 5.0  # how long SIGTERM waits for in-flight calls
-    tp: int = 1  # tensor-parallel ranks of this stage, on this node
-    tp_timeout: float = 10.0  # a collective waiting longer than this fails the stage (seconds)
-    tp_rank: int = 0  # set only for the ranks rank 0 starts itself
-    tp_master: str | None = None  # rank 0's rendezvous address, for those ranks
-    stage_args: tuple[str, ...] = ()  # the command-line arguments, for rank 0 to start the others
-    telemetry: TelemetrySettings = TelemetrySettings()  # traces and Prometheus metrics; off by default
-
-    @property
-    def max_chunk_bytes(self) -> int:
-        # Leave room in each message for the frame's own fields.
-        return max(1024, self.max_message_bytes - min(64 << 10, self.max_message_bytes // 2))
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # DTYPES
 
 
 class StageWorker:
@@ -88,14 +55,12 @@ class StageWorker:
 
     def __init__(self, settings: StageSettings) -> None:
         self.settings = settings
-        if settings.dtype not in DTYPES:
-            raise ValueError(f"--dtype {settings.dtype!r} is not one of {', '.join(DTYPES)}")
         if settings.threads:
             torch.set_num_threads(settings.threads)
         self.checkpoint = resolve_model(settings.model)
         self.config = ModelConfig.from_checkpoint(self.checkpoint)
         self.layers = LayerRange.parse(settings.layers, num_layers=self.config.num_layers)
-        self.dtype = DTYPES[settings.dtype]
+        self.dtype = TORCH_DTYPES[settings.dtype]
         self.model_id = model_id(self.checkpoint)
         self.instance_id = uuid.uuid4().hex
         self.address = ""
@@ -103,7 +68,7 @@ class StageWorker:
         self.engine: StageEngine | None = None
         self.servicer: StageServicer | None = None
         self.followers: list[subprocess.Popen[bytes]] = []  # ranks 1.. of a tensor-parallel stage
-        self.health = health.aio.HealthServicer()
+        self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]  # not in grpc-stubs
         self.failed = False  # a rank of this tensor-parallel stage died or hung
         self.weights_bytes = 0  # of this rank's shards, once loaded
 
@@ -152,17 +117,18 @@ class StageWorker:
 
     def load(self) -> None:
         s = self.settings
+        engine: StageEngine
         if s.tp == 1:
-            self.engine = self.build_engine(TensorParallel())
+            engine = self.build_engine(TensorParallel())
         else:
             master = f"127.0.0.1:{tp_group.free_port()}"
-            self.followers = tp_group.spawn_followers(s.stage_args, size=s.tp, master=master)
+            self.followers = tp_group.spawn_followers(to_json(s), size=s.tp, master=master)
             tp = tp_group.join_group(rank=0, size=s.tp, master=master, timeout_s=s.tp_timeout, device=s.device)
-            self.engine = LeadingEngine(self.build_engine(tp), tp.group)  # type: ignore[assignment]
-        model = self.engine.model
-        held = {id(t): t for t in model.state_dict(keep_vars=True).values()}  # parameters and packed weights
+            engine = LeadingEngine(self.build_engine(tp), tp.group)  # type: ignore[assignment]  # its proxy
+        held = {id(t): t for t in engine.model.state_dict(keep_vars=True).values()}  # parameters, packed weights
         self.weights_bytes = sum(t.numel() * t.element_size() for t in held.values())
-        self.engine.probe()
+        engine.probe()
+        self.engine = engine
 
     def info(self) -> common_pb2.WorkerInfo:
         engine = self.engine
@@ -186,8 +152,8 @@ class StageWorker:
             in_flight_steps=self.servicer.in_flight if self.servicer else 0,
             active_sequences=len(engine.cache.sequences()) if engine else 0,
             state=self.state,
-            steps_computed=self.servicer.steps_computed if self.servicer else 0,
-            compute_seconds=self.servicer.compute_seconds if self.servicer else 0.0,
+            steps_computed=engine.steps_computed if engine else 0,
+            compute_seconds=engine.compute_seconds if engine else 0.0,
         )
 
     async def serve(self, *, stop: asyncio.Event | None = None) -> None:
@@ -243,7 +209,7 @@ class StageWorker:
         log.info("draining: NOT_SERVING, waiting up to %.0fs for in-flight calls", s.grace_seconds)
         self.state = common_pb2.WORKER_STATE_DRAINING
         await self.health.enter_graceful_shutdown()
-        if membership is not None:
+        if membership is not None and s.coordinator is not None:
             membership.cancel()
             await self._deregister(s.coordinator, "draining (SIGTERM)")
         await server.stop(s.grace_seconds)
@@ -310,15 +276,16 @@ class StageWorker:
                 await asyncio.sleep(interval)
 
     async def _held_sequences(self) -> list[str]:
-        if self.servicer is None:
+        if self.servicer is None or self.engine is None:
             return []
         held = await self.servicer.on_compute_thread(self.engine.cache.sequences)  # where the cache changes
         return [sid for sid in held if not sid.startswith("\x00")]  # not a probe's scratch sequence
 
     async def _free_orphans(self, held: list[str]) -> None:
         """Free the KV of sequences the coordinator no longer routes to: it did not know this worker."""
-        assert self.servicer is not None
-        freed = await self.servicer.on_compute_thread(lambda: sum(self.engine.release(s) for s in held))
+        engine = self.engine
+        assert self.servicer is not None and engine is not None
+        freed = await self.servicer.on_compute_thread(lambda: sum(engine.release(s) for s in held))
         log.warning("coordinator did not know this worker: freed %d sequence(s) it no longer routes to", freed)
 
     async def _deregister(self, coordinator: str, reason: str) -> None:
@@ -346,50 +313,44 @@ class _UntilLoaded(stage_pb2_grpc.StageWorkerServicer):
         assert self.target is not None
         return self.target
 
-    async def Step(self, request_iterator, context):  # type: ignore[no-untyped-def]
+    async def Step(self, request_iterator, context):
         target = await self._loaded(context)
         async for result in target.Step(request_iterator, context):
             yield result
 
-    async def Results(self, request, context):  # type: ignore[no-untyped-def]
+    async def Results(self, request, context):
         target = await self._loaded(context)
         async for result in target.Results(request, context):
             yield result
 
-    async def Release(self, request, context):  # type: ignore[no-untyped-def]
+    async def Release(self, request, context):
         return await (await self._loaded(context)).Release(request, context)
 
-    async def Info(self, request, context):  # type: ignore[no-untyped-def]
+    async def Info(self, request, context):
         return await (await self._loaded(context)).Info(request, context)
 
 
 def run_stage(settings: StageSettings) -> int:
     """Run a stage worker in this process until it is stopped; the process exit status."""
-    if settings.tp_master is not None:
-        return run_follower(settings)
     worker = StageWorker(settings)
     asyncio.run(worker.serve())
     return 1 if worker.failed else 0
 
 
-def run_follower(settings: StageSettings) -> int:
-    """A rank > 0 of a tensor-parallel stage: load its shards, then follow rank 0 until STOP."""
+def run_follower(settings: StageSettings, *, rank: int, master: str) -> int:
+    """Rank `rank` > 0 of a tensor-parallel stage: load its shards, then follow rank 0 until STOP."""
     tp_group.die_with_parent()
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
-    worker = StageWorker(settings)
-    assert settings.tp_master is not None
+    worker = StageWorker(settings)  # sets the thread count
     tp = tp_group.join_group(
-        rank=settings.tp_rank,
-        size=settings.tp,
-        master=settings.tp_master,
-        timeout_s=settings.tp_timeout,
-        device=settings.device,
+        rank=rank, size=settings.tp, master=master, timeout_s=settings.tp_timeout, device=settings.device
     )
     engine = worker.build_engine(tp)
     try:
         follow(engine, tp.group)
     except RankFailed as err:
-        log.error("rank %d fails stop: %s", settings.tp_rank, err)
+        log.error("rank %d fails stop: %s", rank, err)
         return 1
     return 0
+
+
+__all__ = ["StageSettings", "StageWorker", "run_follower", "run_stage"]

@@ -1,6 +1,8 @@
 """What a stage worker measures: each step's phases, each request's span on this hop, the gauges.
 
 Owns
+- `StepClock`: a step's hooks doing nothing, in place of its `StepTimes` when telemetry is off;
+  what only telemetry needs (sizes, carriers, errors) comes lazily, so that it costs nothing then.
 - `StepTimes`: the clock of one step through this stage: its header's arrival, the bytes and
   decode time of its hidden states, its wait for the compute thread, compute, serialization and
   the write to the next hop, and its answer going back up. When tracing, each request in the
@@ -10,26 +12,27 @@ Owns
   runs from the header's arrival to the answer, and carries the step's figures as attributes.
 - `StreamTelemetry`: the steps of one upstream Step stream not answered yet, by step id.
 - `StageTelemetry`: the stage's tracer and instruments, and the gauges read at each scrape:
-  KV blocks used and free, and the pipeline bubble fraction (`BusyClock`).
+  KV blocks used and free, and the pipeline bubble fraction (`BusyClock`). With tracing and
+  metrics off (`on` False), its streams give `StepClock`s and it measures nothing.
 
-The servicer hands in plain values (ids, carrier maps, sizes, messages of errors); this module
-never reads a wire message. Knows nothing of the model or tensors.
+Its callers (frames, compute, delivery, the servicer) hand in plain values: ids, carriers, sizes,
+messages of errors; it never reads a wire message. Knows nothing of the model or tensors.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Protocol, TypeVar
 
 from opentelemetry import propagate
-from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.metrics import CallbackOptions, Histogram, Observation
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_context
 
 from layerline.shared.telemetry import BYTES_BUCKETS, SECONDS_BUCKETS, Telemetry
 
+from .busy_clock import BusyClock
 from .engine import SequenceStep
 
 
@@ -40,62 +43,49 @@ class _Frame(Protocol):
 F = TypeVar("F", bound=_Frame)
 
 
-class BusyClock:
-    """How long the stage held live sequences, and how much of that its compute thread sat idle.
+class StepClock:
+    """The hooks of one step through this stage, measuring nothing (telemetry off); see `StepTimes`."""
 
-    A stage is *active* while its KV cache holds any sequence (requests are in progress through
-    it) and *busy* while a step computes. Idle time while active is the pipeline bubble: requests
-    wait, and this stage has nothing to run. Updated from the compute thread, read at scrapes.
-    """
+    def chunk(self, seconds: float, *, size: Callable[[], int] | None = None) -> None:
+        """A chunk of hidden states took `seconds` to decode; `size()`: its bytes, if not the header's."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._at = clock()
-        self._busy = False
-        self._active = False
-        self.active_seconds = 0.0
-        self.bubble_seconds = 0.0  # idle while active
-        self._seen = (0.0, 0.0)  # (active, bubble) at the last `fraction()`
+    def ready(self) -> None:
+        """The step is whole and about to be computed."""
 
-    def set(self, *, busy: bool, active: bool) -> None:
-        with self._lock:
-            self._advance()
-            self._busy, self._active = busy, active
+    def computing(self) -> AbstractContextManager[None]:
+        """Around the step's compute, on whichever thread runs it."""
+        return nullcontext()
 
-    def set_active(self, active: bool) -> None:
-        with self._lock:
-            self._advance()
-            self._active = active
+    def forwarding(
+        self,
+        next_hop: str,
+        carriers: Iterable[tuple[str, MutableMapping[str, str]]],
+        frames: Iterable[F],
+        *,
+        header_size: Callable[[], int],
+        serialize_seconds: float = 0.0,
+    ) -> Iterable[F]:
+        """The step is about to go to `next_hop`: each request's carrier, of the forwarded step's
+        (sequence id, carrier) pairs, gets its span here. Returns `frames`, timed as they are
+        serialized (after `serialize_seconds` spent encoding) and counted as they are written;
+        `header_size()` is read once the header, with its hidden states if they fit, went out.
+        When the writer asks for a frame past the last, all are written."""
+        return frames
 
-    def _advance(self) -> None:
-        now = self._clock()
-        if self._active:
-            self.active_seconds += now - self._at
-            if not self._busy:
-                self.bubble_seconds += now - self._at
-        self._at = now
+    def end(self, *, error: str | None, sequence_errors: Iterable[tuple[str, str]] = ()) -> None:
+        """This stage is done with the step (sent it on, or answered it): its requests' spans end,
+        with the step's figures; `sequence_errors` are (sequence id, message). Only the first call counts."""
 
-    def totals(self) -> tuple[float, float]:
-        """(active, bubble) seconds since start."""
-        with self._lock:
-            self._advance()
-            return self.active_seconds, self.bubble_seconds
 
-    def fraction(self) -> float:
-        """Bubble share of the active time since the previous call (0 when it was never active)."""
-        with self._lock:
-            self._advance()
-            (seen_active, seen_bubble), self._seen = self._seen, (self.active_seconds, self.bubble_seconds)
-            active, bubble = self.active_seconds - seen_active, self.bubble_seconds - seen_bubble
-        return bubble / active if active > 0 else 0.0
+_QUIET_STEP = StepClock()
 
 
 class StageTelemetry:
-    """A stage's tracer, instruments and gauges; None stands for all of it being off."""
+    """A stage's tracer, instruments and gauges; `on` is False when tracing and metrics are off."""
 
     def __init__(self, telemetry: Telemetry, *, layers: str, kv_blocks: Callable[[], tuple[int, int]]) -> None:
         """`kv_blocks()` gives (used, free) KV blocks, read at scrapes and after compute."""
+        self.on = telemetry.tracer is not None or telemetry.meter is not None
         self.tracer = telemetry.tracer
         self.span_name = f"stage {layers}"
         self.layers = layers
@@ -105,30 +95,25 @@ class StageTelemetry:
         self.metrics = meter is not None
         if meter is None:
             return
-        self.step_seconds = meter.create_histogram(
-            "layerline_stage_step_seconds",
-            unit="s",
-            explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
-            description="Compute time of one step on this stage",
+
+        def histogram(name: str, description: str, *, unit: str = "s") -> Histogram:
+            buckets = BYTES_BUCKETS if unit == "By" else SECONDS_BUCKETS
+            return meter.create_histogram(
+                name, unit=unit, explicit_bucket_boundaries_advisory=buckets, description=description
+            )
+
+        self.step_seconds = histogram("layerline_stage_step_seconds", "Compute time of one step on this stage")
+        self.queue_seconds = histogram(
+            "layerline_stage_queue_seconds", "Time a received step waited for this stage's compute thread"
         )
-        self.queue_seconds = meter.create_histogram(
-            "layerline_stage_queue_seconds",
-            unit="s",
-            explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
-            description="Time a received step waited for this stage's compute thread",
-        )
-        self.hop_bytes = meter.create_histogram(
+        self.hop_bytes = histogram(
             "layerline_hop_bytes",
-            unit="By",
-            explicit_bucket_boundaries_advisory=BYTES_BUCKETS,
-            description="Bytes of one step's frames received from the hop before (direction=received) "
+            "Bytes of one step's frames received from the hop before (direction=received) "
             "or sent to the next hop (direction=sent)",
+            unit="By",
         )
-        self.hop_seconds = meter.create_histogram(
-            "layerline_hop_transfer_seconds",
-            unit="s",
-            explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
-            description="Time to write one step's frames to the next hop, serialization excluded",
+        self.hop_seconds = histogram(
+            "layerline_hop_transfer_seconds", "Time to write one step's frames to the next hop, serialization excluded"
         )
         labels = {"layers": layers}
 
@@ -168,12 +153,8 @@ class StageTelemetry:
         )
 
     @classmethod
-    def of(
-        cls, telemetry: Telemetry, *, layers: str, kv_blocks: Callable[[], tuple[int, int]]
-    ) -> StageTelemetry | None:
-        """The stage's telemetry, or None when both tracing and metrics are off."""
-        if telemetry.tracer is None and telemetry.meter is None:
-            return None
+    def of(cls, telemetry: Telemetry, *, layers: str, kv_blocks: Callable[[], tuple[int, int]]) -> StageTelemetry:
+        """The stage's telemetry; with tracing and metrics off, its hooks do nothing."""
         return cls(telemetry, layers=layers, kv_blocks=kv_blocks)
 
     def stream(self) -> StreamTelemetry:
@@ -181,7 +162,8 @@ class StageTelemetry:
 
     def released(self) -> None:
         """Sequences were released outside a step: the stage may have become inactive."""
-        self.clock.set_active(self.kv_blocks()[0] > 0)
+        if self.on:
+            self.clock.set_active(self.kv_blocks()[0] > 0)
 
 
 class StreamTelemetry:
@@ -192,13 +174,20 @@ class StreamTelemetry:
         self._open: dict[int, StepTimes] = {}
 
     def received(
-        self, step_id: int, seqs: Sequence[SequenceStep], carriers: Sequence[Mapping[str, str]], *, header_bytes: int
-    ) -> StepTimes:
-        """A step's header arrived; `carriers[i]` is the trace carrier of `seqs[i]`."""
-        times = self._open[step_id] = StepTimes(self.stage, seqs, carriers, header_bytes=header_bytes)
+        self,
+        step_id: int,
+        seqs: Sequence[SequenceStep],
+        carriers: Iterable[Mapping[str, str]],
+        *,
+        header_bytes: Callable[[], int],
+    ) -> StepClock:
+        """A step's header arrived; the i-th carrier is the trace carrier of `seqs[i]`."""
+        if not self.stage.on:
+            return _QUIET_STEP
+        times = self._open[step_id] = StepTimes(self.stage, seqs, carriers, header_bytes=header_bytes())
         return times
 
-    def answered(self, step_id: int, *, error: str | None, sequence_errors: Mapping[str, str]) -> None:
+    def answered(self, step_id: int, *, error: str | None, sequence_errors: Iterable[tuple[str, str]] = ()) -> None:
         """The step's answer went up: `error` failed all of it, `sequence_errors` some sequences."""
         times = self._open.pop(step_id, None)
         if times is not None:
@@ -207,18 +196,18 @@ class StreamTelemetry:
     def close(self) -> None:
         """The stream ended: steps never answered end their spans as failed."""
         for times in self._open.values():
-            times.end(error="the Step stream closed before the step was answered", sequence_errors={})
+            times.end(error="the Step stream closed before the step was answered")
         self._open.clear()
 
 
-class StepTimes:
+class StepTimes(StepClock):
     """One step through this stage (perf_counter seconds) and its requests' hop spans."""
 
     def __init__(
         self,
         stage: StageTelemetry,
         seqs: Sequence[SequenceStep],
-        carriers: Sequence[Mapping[str, str]],
+        carriers: Iterable[Mapping[str, str]],
         *,
         header_bytes: int,
     ) -> None:
@@ -234,6 +223,7 @@ class StepTimes:
         self.serialize_seconds = 0.0
         self.send_seconds = 0.0
         self.next_hop = ""  # set when the step is forwarded
+        self._header_size: Callable[[], int] = lambda: 0  # of the forwarded header, once it went out
         self._send_started = 0.0
         self._sent = False
         self.spans: dict[str, Span] = {}
@@ -257,20 +247,18 @@ class StepTimes:
             if span.is_recording():  # the sampler may decline a request (OTEL_TRACES_SAMPLER)
                 self.spans[seq.sequence_id] = span
 
-    def chunk(self, nbytes: int, seconds: float) -> None:
-        """A chunk of the step's hidden states arrived: its size and decode time."""
-        self.bytes_received += nbytes
+    def chunk(self, seconds: float, *, size: Callable[[], int] | None = None) -> None:
+        if size is not None:
+            self.bytes_received += size()
         self.deserialize_seconds += seconds
 
     def ready(self) -> None:
-        """The step is whole and queued for the compute thread."""
         self.ready_at = time.perf_counter()
         if self.stage.metrics:
             self.stage.hop_bytes.record(self.bytes_received, {"layers": self.stage.layers, "direction": "received"})
 
     @contextmanager
     def computing(self) -> Iterator[None]:
-        """Around the step's compute, on the compute thread."""
         stage = self.stage
         self.compute_started = time.perf_counter()
         stage.clock.set(busy=True, active=True)
@@ -293,14 +281,6 @@ class StepTimes:
         header_size: Callable[[], int],
         serialize_seconds: float = 0.0,
     ) -> Iterator[F]:
-        """The step is about to go to `next_hop`: each request's carrier gets its span here.
-
-        `carriers` are the forwarded step's (sequence id, carrier) pairs; `serialize_seconds`
-        what encoding its hidden states took so far. Returns `frames`, timed as they are
-        serialized and counted as they are written; `header_size()` (the header carries the
-        hidden states when they fit in one message) is read once the header went out. When the
-        writer asks for a frame past the last, all are written.
-        """
         self.serialize_seconds = serialize_seconds
         for sequence_id, carrier in carriers:
             span = self.spans.get(sequence_id)
@@ -308,11 +288,12 @@ class StepTimes:
                 carrier.clear()
                 propagate.inject(carrier, context=set_span_in_context(span))
         self.next_hop = next_hop
+        self._header_size = header_size
         self._send_started = time.perf_counter() - serialize_seconds  # when encoding began
-        return self._timed(frames, header_size)
+        return self._timed(frames)
 
-    def _timed(self, frames: Iterable[F], header_size: Callable[[], int]) -> Iterator[F]:
-        self.bytes_sent = header_size()  # read once the header went out, with the hop's step id
+    def _timed(self, frames: Iterable[F]) -> Iterator[F]:
+        self.bytes_sent = self._header_size()  # read once the header went out, with the hop's step id
         it = iter(frames)
         while True:
             start = time.perf_counter()
@@ -328,17 +309,18 @@ class StepTimes:
         if self._sent:
             return
         self._sent = True
+        if not self.bytes_sent:  # the answer came back before the writer resumed after the header
+            self.bytes_sent = self._header_size()
         self.send_seconds = time.perf_counter() - self._send_started - self.serialize_seconds
         if self.stage.metrics:
             labels = {"layers": self.stage.layers, "peer": self.next_hop}
             self.stage.hop_bytes.record(self.bytes_sent, {**labels, "direction": "sent"})
             self.stage.hop_seconds.record(self.send_seconds, labels)
 
-    def end(self, *, error: str | None, sequence_errors: Mapping[str, str]) -> None:
-        """This stage is done with the step (sent it on, or answered it): its requests' spans end,
-        with the step's figures. Only the first call counts."""
+    def end(self, *, error: str | None, sequence_errors: Iterable[tuple[str, str]] = ()) -> None:
         if not self.spans:
             return
+        failures = dict(sequence_errors)
         end = time.time_ns()
         attributes: dict[str, str | int | float] = {
             "layerline.step.sequences": self.sequences,
@@ -360,7 +342,7 @@ class StepTimes:
                 attributes["layerline.step.send_seconds"] = self.send_seconds
         for sequence_id, span in self.spans.items():
             span.set_attributes(attributes)
-            failure = error or sequence_errors.get(sequence_id)
+            failure = error or failures.get(sequence_id)
             if failure:
                 span.set_status(Status(StatusCode.ERROR, failure))
             span.end(end_time=end)

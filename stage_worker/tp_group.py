@@ -1,7 +1,7 @@
 """Starting and stopping the ranks of a tensor-parallel stage on one node.
 
 Owns the process side of tensor parallelism: rank 0 (the process the user started) spawns one
-process per other rank with the same stage arguments, every rank joins one `torch.distributed`
+process per other rank and hands it the stage's settings as JSON, every rank joins one `torch.distributed`
 process group (NCCL on CUDA, gloo on CPU) with a short collective timeout, and a rank whose
 leader dies is killed with it (Linux parent-death signal). Fail-stop decisions are the
 caller's: this module only says which ranks are gone.
@@ -34,14 +34,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def spawn_followers(stage_args: Sequence[str], *, size: int, master: str) -> list[subprocess.Popen[bytes]]:
-    """Start ranks 1 .. size-1 as `layerline stage` processes that follow rank 0."""
-    return [
-        subprocess.Popen(
-            [sys.executable, "-m", "layerline", "stage", *stage_args, "--tp-rank", str(rank), "--tp-master", master]
+def spawn_followers(settings_json: str, *, size: int, master: str) -> list[subprocess.Popen[bytes]]:
+    """Start ranks 1 .. size-1 as processes that follow rank 0 (`stage_worker.follower`); each
+    reads the stage's settings, `settings_json`, on its standard input."""
+    followers = []
+    for rank in range(1, size):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "layerline.stage_worker.follower", "--rank", str(rank), "--master", master],
+            stdin=subprocess.PIPE,
         )
-        for rank in range(1, size)
-    ]
+        assert proc.stdin is not None
+        proc.stdin.write(settings_json.encode())
+        proc.stdin.close()
+        followers.append(proc)
+    return followers
 
 
 def join_group(*, rank: int, size: int, master: str, timeout_s: float, device: str) -> TensorParallel:

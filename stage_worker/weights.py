@@ -2,17 +2,18 @@
 
 Owns: finding which file holds each tensor (one `model.safetensors`, or shards listed in
 `model.safetensors.index.json`), reading exactly the tensors a layer range owns (recorded in
-`CheckpointReader.read`, so tests can prove nothing else was touched), building a `StageModel`
-from them, and the model id: a digest of the config and of every tensor's name, dtype and shape.
+`CheckpointReader.read`, so tests can prove nothing else was touched), and under tensor
+parallelism only this rank's piece of each (the plan is sharding.py's), fusing q, k, v and
+gate, up, building a `StageModel` from them (then handing it to layouts.py), and the model id:
+a digest of the config and of every tensor's name, dtype and shape.
 
-Knows nothing of the network or of how the model is run.
+Knows nothing of the network, of how the model is run, or of the layouts its weights take.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import struct
 from pathlib import Path
 
 import torch
@@ -21,8 +22,10 @@ from safetensors import safe_open
 
 from layerline.shared.model_config import ConfigError, LayerRange, ModelConfig
 
-from .llama import WEIGHT_LAYOUTS, LMHead, StageModel, can_pack, rope_inv_freq
-from .parallel import Shards, TensorParallel
+from .layouts import apply_layouts, check_weight_layout
+from .llama import StageModel, rope_inv_freq
+from .parallel import SINGLE_RANK, TensorParallel
+from .sharding import ZEROS, Piece, piece_for
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -45,7 +48,7 @@ class CheckpointReader:
     def __contains__(self, name: str) -> bool:
         return name in self.files
 
-    def _handle(self, name: str):  # type: ignore[no-untyped-def]
+    def _handle(self, name: str):
         file = self.files.get(name)
         if file is None:
             raise CheckpointError(f"checkpoint {self.root} has no tensor {name!r}")
@@ -58,7 +61,7 @@ class CheckpointReader:
         """The stored shape, from the file's header, without reading the data."""
         return tuple(self._handle(name).get_slice(name).get_shape())
 
-    def get(self, name: str, piece: tuple[int, int, int] | None = None) -> torch.Tensor:
+    def get(self, name: str, piece: Piece | None = None) -> torch.Tensor:
         """The whole tensor, or only rows (dim 0) or columns (dim 1) [start, end) of it."""
         handle = self._handle(name)
         self.read.append(name)
@@ -80,7 +83,7 @@ def owned_tensor_names(config: ModelConfig, layers: LayerRange) -> dict[str, str
     for i in layers:
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
             names[f"layers.{i}.self_attn.{proj}.weight"] = f"model.layers.{i}.self_attn.{proj}.weight"
-        biased = ("q_proj", "k_proj", "v_proj") if config.qkv_bias else ()
+        biased: tuple[str, ...] = ("q_proj", "k_proj", "v_proj") if config.qkv_bias else ()
         biased += ("o_proj",) if config.o_bias else ()
         for proj in biased:
             names[f"layers.{i}.self_attn.{proj}.bias"] = f"model.layers.{i}.self_attn.{proj}.bias"
@@ -104,35 +107,47 @@ def load_stage(
     device: torch.device | str = "cpu",
     config: ModelConfig | None = None,
     reader: CheckpointReader | None = None,
-    tp: TensorParallel = TensorParallel(),
+    tp: TensorParallel = SINGLE_RANK,
     weight_layout: str = "both",
 ) -> StageModel:
     """Build the `StageModel` of `layers`, reading only the tensors it owns.
 
     Under tensor parallelism (`tp.size > 1`) each rank reads only its own slice of each tensor
     (sliced reads from the file, never the whole tensor then cut). `weight_layout` says
-    whether float32 linear layers on CPU are also, or only, kept packed for oneDNN (`PackedLinear`).
+    whether float32 linear layers on CPU are also, or only, kept packed for oneDNN (layouts.py).
     """
-    if weight_layout not in WEIGHT_LAYOUTS:
-        raise ValueError(f"weight layout {weight_layout!r} is not one of {', '.join(WEIGHT_LAYOUTS)}")
+    check_weight_layout(weight_layout)
     config = config or ModelConfig.from_checkpoint(checkpoint)
     layers.check(config.num_layers)
     reader = reader or CheckpointReader(checkpoint)
     with torch.device("meta"):
         model = StageModel(config, layers, tp=tp)
-    loaded: dict[tuple[str, object], torch.Tensor] = {}  # (name, piece) -> tensor: a tied head is shared
+    state = _read_state(reader, model, tp=tp, dtype=dtype, device=device)
+    model.load_state_dict(_fused(state, layers), strict=True, assign=True)
+    del state  # the model now holds the only references, so layouts can free each plain weight
+    model.inv_freq = rope_inv_freq(config.rope, config.head_dim).to(device)
+    apply_layouts(model, weight_layout=weight_layout, dtype=dtype, device=device)
+    model.set_threads(torch.get_num_threads())  # until the engine decides per step
+    return model.eval()
+
+
+def _read_state(
+    reader: CheckpointReader,
+    model: StageModel,
+    *,
+    tp: TensorParallel,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> dict[str, torch.Tensor]:
+    """The unfused parameters of `model` (on meta), each this rank's piece of its checkpoint tensor."""
+    config = model.config
+    loaded: dict[tuple[str, Piece | None], torch.Tensor] = {}  # (name, piece) -> tensor: a tied head is shared
     state: dict[str, torch.Tensor] = {}
-    for param, source in owned_tensor_names(config, layers).items():
-        if param == "lm_head.weight" and source not in reader:
-            if not config.tie_word_embeddings:
-                raise CheckpointError(
-                    f"checkpoint {reader.root} has no tensor 'lm_head.weight' and its config "
-                    "does not tie word embeddings"
-                )
-            source = "model.embed_tokens.weight"
+    for param, name in owned_tensor_names(config, model.layer_range).items():
+        source = _tied_source(reader, config) if param == "lm_head.weight" and name not in reader else name
         expected = _expected_shape(config, param)
-        piece = _piece(config, model.shards, tp, param)
-        if piece == "zeros":  # a row-parallel bias: added once, by rank 0
+        piece = piece_for(param, config=config, shards=model.shards, tp=tp)
+        if piece == ZEROS:  # a row-parallel bias: added once, by rank 0
             state[param] = torch.zeros(expected, device=device, dtype=dtype)
             continue
         if (source, piece) not in loaded:
@@ -140,49 +155,21 @@ def load_stage(
                 raise CheckpointError(
                     f"checkpoint tensor {source!r} has shape {reader.shape(source)}, the config needs {expected}"
                 )
-            tensor = reader.get(source, piece)  # type: ignore[arg-type]
+            tensor = reader.get(source, piece)
             if param in ("embed_tokens.weight", "lm_head.weight"):  # pad the vocabulary rows
                 tensor = F.pad(tensor, (0, 0, 0, model.shards.vocab_per_rank - tensor.shape[0]))
             loaded[(source, piece)] = tensor.to(device=device, dtype=dtype)
         state[param] = loaded[(source, piece)]
-    model.load_state_dict(_fused(state, layers), strict=True, assign=True)
-    model.inv_freq = rope_inv_freq(config.rope, config.head_dim).to(device)
-    if weight_layout != "plain" and can_pack(dtype, device):
-        model.pack_linears(keep_plain=weight_layout == "both" and dtype == torch.float32)
-    return model.eval()
+    return state
 
 
-def _piece(config: ModelConfig, shards: Shards, tp: TensorParallel, param: str) -> tuple[int, int, int] | str | None:
-    """This rank's (dim, start, end) of a checkpoint tensor; None for all of it; "zeros"."""
-    if tp.size == 1:
-        return None
-    module, _, what = param.rpartition(".")
-    kind = module.rpartition(".")[2]
-    d, inter = config.head_dim, shards.intermediate
-    heads = (shards.head_start * d, (shards.head_start + shards.num_heads) * d)
-    kv = (shards.kv_head_start * d, (shards.kv_head_start + shards.num_kv_heads) * d)
-    width = (tp.rank * inter, (tp.rank + 1) * inter)
-    vocab = (
-        min(shards.vocab_start, config.vocab_size),
-        min(shards.vocab_start + shards.vocab_per_rank, config.vocab_size),
-    )
-    column = {
-        "q_proj": heads,
-        "k_proj": kv,
-        "v_proj": kv,
-        "gate_proj": width,
-        "up_proj": width,
-        "embed_tokens": vocab,
-        "lm_head": vocab,
-    }  # rows of the [out, in] tensor
-    row = {"o_proj": heads, "down_proj": width}  # columns of the [out, in] tensor
-    if kind in column:
-        return (0, *column[kind])
-    if kind in row:
-        if what == "bias":
-            return None if tp.rank == 0 else "zeros"
-        return (1, *row[kind])
-    return None  # the norms: every rank holds all of them
+def _tied_source(reader: CheckpointReader, config: ModelConfig) -> str:
+    """Where a head without its own tensor loads from: the embedding, if the config ties them."""
+    if not config.tie_word_embeddings:
+        raise CheckpointError(
+            f"checkpoint {reader.root} has no tensor 'lm_head.weight' and its config does not tie word embeddings"
+        )
+    return "model.embed_tokens.weight"
 
 
 def _expected_shape(config: ModelConfig, param: str) -> tuple[int, ...]:
@@ -205,33 +192,17 @@ def _expected_shape(config: ModelConfig, param: str) -> tuple[int, ...]:
 
 
 def _fused(state: dict[str, torch.Tensor], layers: LayerRange) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors in the model's layout.
-
-    q, k, v become one qkv_proj and gate, up one gate_up_proj (rows stacked); the weights of
-    `TransposedLinear` modules (qkv, o, gate_up) are stored transposed, [in, out], and the LM
-    head's in `LMHead`'s column blocks.
-    """
-
-    def transposed(w: torch.Tensor) -> torch.Tensor:
-        return w.t().contiguous()  # [out, in] -> [in, out]
-
+    """The checkpoint's tensors with q, k, v fused into one qkv_proj and gate, up into one
+    gate_up_proj (rows stacked: [q | k | v], [gate | up]), each part dropped once fused."""
     for i in layers:
-        attn, mlp = f"layers.{i}.self_attn", f"layers.{i}.mlp"
-        state[f"{attn}.qkv_proj.weight_t"] = transposed(
-            torch.cat([state.pop(f"{attn}.{p}_proj.weight") for p in "qkv"])
-        )
-        state[f"{attn}.o_proj.weight_t"] = transposed(state.pop(f"{attn}.o_proj.weight"))
-        state[f"{mlp}.gate_up_proj.weight_t"] = transposed(
-            torch.cat([state.pop(f"{mlp}.{p}_proj.weight") for p in ("gate", "up")])
-        )
-        biases = [state.pop(f"{attn}.{p}_proj.bias", None) for p in "qkv"]
-        if biases[0] is not None:
-            state[f"{attn}.qkv_proj.bias"] = torch.cat(biases)  # type: ignore[arg-type]
-        biases = [state.pop(f"{mlp}.{p}_proj.bias", None) for p in ("gate", "up")]
-        if biases[0] is not None:
-            state[f"{mlp}.gate_up_proj.bias"] = torch.cat(biases)  # type: ignore[arg-type]
-    if "lm_head.weight" in state:
-        state["lm_head.weight_blocks"] = LMHead.blocked(state.pop("lm_head.weight"))
+        for fused, parts in (
+            (f"layers.{i}.self_attn.qkv_proj", [f"layers.{i}.self_attn.{p}_proj" for p in "qkv"]),
+            (f"layers.{i}.mlp.gate_up_proj", [f"layers.{i}.mlp.{p}_proj" for p in ("gate", "up")]),
+        ):
+            state[f"{fused}.weight"] = torch.cat([state.pop(f"{p}.weight") for p in parts])
+            biases = [state.pop(f"{p}.bias", None) for p in parts]
+            if biases[0] is not None:
+                state[f"{fused}.bias"] = torch.cat(biases)  # type: ignore[arg-type]
     return state
 
 
@@ -244,16 +215,12 @@ def model_id(checkpoint: str | Path) -> str:
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
     headers: dict[str, object] = {}
     for file in sorted(set(_tensor_files(root).values())):
-        header = _read_header(root / file)
-        headers.update({k: [v["dtype"], v["shape"]] for k, v in header.items() if k != "__metadata__"})
+        with safe_open(str(root / file), framework="pt") as tensors:
+            for name in tensors.keys():
+                stored = tensors.get_slice(name)
+                headers[name] = [stored.get_dtype(), stored.get_shape()]  # e.g. ["BF16", [576, 1536]]
     digest.update(json.dumps(headers, sort_keys=True).encode())
     return digest.hexdigest()[:16]
-
-
-def _read_header(path: Path) -> dict[str, dict]:
-    with path.open("rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(size))
 
 
 def _tensor_files(root: Path) -> dict[str, str]:
@@ -271,4 +238,5 @@ def _tensor_files(root: Path) -> dict[str, str]:
     single = root / SINGLE_FILE
     if not single.is_file():
         raise CheckpointError(f"checkpoint {root} has neither {SINGLE_FILE} nor {INDEX_FILE}")
-    return {name: SINGLE_FILE for name in _read_header(single) if name != "__metadata__"}
+    with safe_open(str(single), framework="pt") as tensors:
+        return dict.fromkeys(tensors.keys(), SINGLE_FILE)

@@ -9,8 +9,9 @@ import grpc
 import pytest
 
 from layerline.client import AsyncClient, Client
-from layerline.launcher import ClusterPlan, LocalCluster, head_weight, split_layers
+from layerline.launcher import ClusterPlan, LocalCluster, split_layers
 from layerline.protos.v1 import stage_pb2, stage_pb2_grpc
+from layerline.shared.model_config import ModelConfig
 
 from .stage_client import free_port
 
@@ -39,12 +40,10 @@ def cluster(real_model_dir, tmp_path_factory):
 
 
 def test_split_layers_balances_the_work_and_is_half_open(real_model_dir):
-    import json
-
     assert split_layers(30, 2) == [(0, 15), (15, 30)]
     assert split_layers(30, 4) == [(0, 8), (8, 15), (15, 23), (23, 30)]
     # SmolLM2's LM head (49152 x 576) weighs 8 of its layers: the last stage takes 8 fewer.
-    weight = head_weight(json.loads((real_model_dir / "config.json").read_text()))
+    weight = ModelConfig.from_checkpoint(real_model_dir).head_weight
     assert round(weight, 2) == 8.0
     assert split_layers(30, 2, head_weight=weight) == [(0, 19), (19, 30)]
     assert split_layers(30, 3, head_weight=weight) == [(0, 13), (13, 25), (25, 30)]
@@ -53,6 +52,7 @@ def test_split_layers_balances_the_work_and_is_half_open(real_model_dir):
         split_layers(30, 31)
 
 
+@pytest.mark.cluster
 def test_generate_equals_transformers_greedy(cluster, hf_real, hf_greedy):
     tok, _ = hf_real
     with Client(cluster.address) as client:
@@ -63,6 +63,7 @@ def test_generate_equals_transformers_greedy(cluster, hf_real, hf_greedy):
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(tok(PROMPTS[0])["input_ids"]), 24)
 
 
+@pytest.mark.cluster
 def test_logprobs_come_with_each_token(cluster):
     with Client(cluster.address) as client:
         r = client.generate(PROMPTS[0], max_tokens=6, temperature=0.0, logprobs=3)
@@ -74,6 +75,7 @@ def test_logprobs_come_with_each_token(cluster):
         assert lp.logprob == lp.top[0][1] and lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
 
 
+@pytest.mark.cluster
 def test_stream_deltas_concatenate_to_the_completion(cluster):
     with Client(cluster.address) as client:
         chunks = list(client.stream(PROMPTS[1], max_tokens=20, temperature=0.0))
@@ -83,6 +85,7 @@ def test_stream_deltas_concatenate_to_the_completion(cluster):
     assert chunks[-1].finish_reason == "length" and all(c.finish_reason is None for c in chunks[:-1])
 
 
+@pytest.mark.cluster
 def test_concurrent_streams_each_equal_transformers(cluster, hf_greedy):
     async def run() -> list[list[int]]:
         async with AsyncClient(cluster.address) as client:
@@ -93,6 +96,7 @@ def test_concurrent_streams_each_equal_transformers(cluster, hf_greedy):
     assert got == [hf_greedy(p, 16) for p in PROMPTS]
 
 
+@pytest.mark.cluster
 def test_chat_answers_paris(cluster):
     with Client(cluster.address) as client:
         r = client.chat([{"role": "user", "content": "What is the capital of France?"}], max_tokens=32, temperature=0.0)
@@ -100,6 +104,7 @@ def test_chat_answers_paris(cluster):
     assert r.finish_reason == "stop"  # the model ends its turn with <|im_end|>
 
 
+@pytest.mark.cluster
 def test_stop_strings_end_the_answer_without_the_stop_text(cluster):
     with Client(cluster.address) as client:
         full = client.generate(PROMPTS[0], max_tokens=24, temperature=0.0).text
@@ -119,6 +124,7 @@ def test_stop_strings_end_the_answer_without_the_stop_text(cluster):
         (dict(max_tokens=8192), "plus max_tokens = 8192 exceeds the context length of 8192 tokens"),
     ],
 )
+@pytest.mark.cluster
 def test_bad_sampling_parameters_are_refused_by_the_server(cluster, params, field):
     """Straight to the service (the SDK checks these too): INVALID_ARGUMENT naming the field."""
     import grpc
@@ -136,6 +142,7 @@ def test_bad_sampling_parameters_are_refused_by_the_server(cluster, params, fiel
         assert len(client.generate("hi", max_tokens=2, temperature=0.0).token_ids) == 2
 
 
+@pytest.mark.cluster
 def test_empty_prompt_and_unknown_model_are_refused(cluster):
     import grpc
 
@@ -153,6 +160,7 @@ def test_empty_prompt_and_unknown_model_are_refused(cluster):
             assert message in err.value.details()
 
 
+@pytest.mark.cluster
 def test_same_seed_same_tokens_different_seeds_differ(cluster):
     with Client(cluster.address) as client:
         runs = [client.generate(PROMPTS[2], max_tokens=24, temperature=1.0, seed=s).token_ids for s in (1, 1, 2)]
@@ -160,6 +168,7 @@ def test_same_seed_same_tokens_different_seeds_differ(cluster):
     assert runs[0] != runs[2]
 
 
+@pytest.mark.cluster
 def test_a_cancelled_stream_releases_its_kv_on_every_stage(cluster):
     import time
 
@@ -208,6 +217,7 @@ def test_a_cancelled_stream_releases_its_kv_on_every_stage(cluster):
     assert cached_after - cached_before <= rest[-1].usage.prompt_tokens + 11
 
 
+@pytest.mark.cluster
 def test_a_finished_requests_kv_serves_a_later_prompt_that_starts_the_same(cluster, hf_real, hf_greedy):
     tok, _ = hf_real
     base = "In a land far away, beyond the mountains of ice and the rivers of fire, a young"
@@ -227,6 +237,7 @@ def test_a_finished_requests_kv_serves_a_later_prompt_that_starts_the_same(clust
     assert before.chains[0].cached_prefixes >= 1
 
 
+@pytest.mark.cluster
 def test_a_shared_prompt_prefix_is_copied_and_changes_no_token(cluster, hf_real, hf_greedy):
     """B's prompt starts with A's: while A is live, B copies A's KV for those tokens."""
     tok, _ = hf_real
@@ -247,6 +258,7 @@ def test_a_shared_prompt_prefix_is_copied_and_changes_no_token(cluster, hf_real,
     assert after - before == shared
 
 
+@pytest.mark.cluster
 def test_cluster_status_lists_workers_and_the_chain(cluster):
     with Client(cluster.address) as client:
         status = client.cluster()
@@ -263,6 +275,7 @@ def test_cluster_status_lists_workers_and_the_chain(cluster):
         assert least <= w.load.kv_blocks_cached < least + chain.cached_prefixes
 
 
+@pytest.mark.cluster
 def test_cluster_status_counts_the_steps_each_worker_computed(cluster):
     def counts(addresses: list[str]) -> list[tuple[int, float]]:  # asked of each stage itself: fresh
         out = []

@@ -12,17 +12,20 @@ import socket
 import pytest
 
 from layerline.bench.hop_floor import HopFloor, Shapes, measure_hop_floor
+from layerline.shared.model_config import ModelConfig
 
 from .stage_client import free_ports
 
-CONFIG = dict(
-    model_type="llama",
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
+CONFIG = ModelConfig.from_dict(
+    dict(
+        model_type="llama",
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
 )
 
 
@@ -32,6 +35,7 @@ def test_shapes_of_a_config_give_the_fused_widths() -> None:
     )
 
 
+@pytest.mark.cluster
 def test_both_relays_return_the_same_tokens_over_the_split_of_layerline_up() -> None:
     rounds = []
     floor = measure_hop_floor(CONFIG, rounds=2, tokens=12, port=free_ports(3), log=rounds.append)
@@ -43,6 +47,7 @@ def test_both_relays_return_the_same_tokens_over_the_split_of_layerline_up() -> 
     assert floor.added_ms_per_hop == pytest.approx(floor.two_stages_gap_ms - floor.one_stage_gap_ms)
 
 
+@pytest.mark.cluster
 def test_a_relay_stage_that_cannot_listen_is_named_not_waited_for() -> None:
     base = free_ports(3)
     with socket.socket() as taken:  # the 2-stage relay's first stage finds its port taken

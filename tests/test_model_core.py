@@ -123,7 +123,7 @@ def test_half_precision_tracks_transformers_at_the_same_dtype(tmp_path, dtype):
     assert ours.dtype == torch.float32
     assert (ours - theirs).abs().max().item() < 0.1
     assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item() >= 0.9
-    from layerline.stage_worker.llama import PackedLinear, can_pack
+    from layerline.stage_worker.layouts import PackedLinear, can_pack
 
     packed = [m for m in pipe.stages[0].modules() if isinstance(m, PackedLinear)]  # bfloat16 packs, alone
     assert len(packed) == (4 * 4 + 1 if can_pack(dtype, "cpu") else 0) and all(m.plain is None for m in packed)
@@ -171,7 +171,7 @@ def test_layer_range_parses_half_open():
 
 @pytest.mark.parametrize("vocab,blocks", [(48, 8), (20, 4), (6, 2), (7, 1)])
 def test_lm_head_blocks_give_the_plain_product_in_vocabulary_order(vocab, blocks):
-    from layerline.stage_worker.llama import LMHead
+    from layerline.stage_worker.layouts import LMHead
 
     weight = torch.randn(vocab, 5)  # the checkpoint's [vocab, hidden]
     head = LMHead(5, vocab)
@@ -186,7 +186,7 @@ def test_lm_head_blocks_give_the_plain_product_in_vocabulary_order(vocab, blocks
 def test_every_weight_layout_matches_transformers(tiny, layout):
     """Prefill (many rows: oneDNN's packed weights) and decode (one row: the plain ones under
     `both`) give transformers' logits and greedy tokens whatever the layout."""
-    from layerline.stage_worker.llama import PackedLinear
+    from layerline.stage_worker.layouts import PackedLinear
 
     _, path, hf = tiny
     stage = load_stage(path, LayerRange(0, 4), weight_layout=layout)

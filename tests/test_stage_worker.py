@@ -17,6 +17,8 @@ from .pipeline import LocalPipeline
 from .stage_client import StageProcess, StepStream, seq_input
 from .tiny_models import make_tiny_checkpoint
 
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
 INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 MAX_MESSAGE = 4096  # small, so that prefill hidden states must travel in chunks

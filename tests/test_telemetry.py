@@ -45,7 +45,7 @@ from layerline.coordinator.telemetry import StepSpans
 from layerline.launcher import ClusterPlan, LocalCluster
 from layerline.shared.sampling import SamplingParams
 from layerline.shared.telemetry import Telemetry, TelemetrySettings
-from layerline.stage_worker.step_telemetry import BusyClock
+from layerline.stage_worker.busy_clock import BusyClock
 
 from .stage_client import free_port, free_ports
 from .tiny_models import make_tiny_checkpoint, write_byte_tokenizer
@@ -266,6 +266,7 @@ def _check_request_trace(run: TracedRun, request: ReceivedSpan, completion: Comp
     assert tokens == [completion.usage.prompt_tokens] + [1] * (len(steps) - 1)
 
 
+@pytest.mark.cluster
 def test_one_request_is_one_trace_over_the_coordinator_and_both_stages(traced):
     caller_trace = f"{traced.caller.trace_id:032x}"
     (request,) = [s for s in _request_spans(traced) if s.trace_id == caller_trace]
@@ -276,6 +277,7 @@ def test_one_request_is_one_trace_over_the_coordinator_and_both_stages(traced):
     _check_request_trace(traced, request, traced.traced)
 
 
+@pytest.mark.cluster
 def test_concurrent_requests_each_get_their_own_view_of_every_hop(traced):
     requests = [
         s
@@ -289,6 +291,7 @@ def test_concurrent_requests_each_get_their_own_view_of_every_hop(traced):
     assert len({r.trace_id for r in requests}) == len(requests)
 
 
+@pytest.mark.cluster
 def test_the_request_span_carries_gen_ai_attributes_and_latencies(traced):
     caller_trace = f"{traced.caller.trace_id:032x}"
     (request,) = [s for s in _request_spans(traced) if s.trace_id == caller_trace]
@@ -305,6 +308,7 @@ def test_the_request_span_carries_gen_ai_attributes_and_latencies(traced):
     assert a["gen_ai.response.time_to_first_chunk"] == ttft
 
 
+@pytest.mark.cluster
 def test_step_spans_carry_each_hops_figures(traced):
     stages = [s for s in traced.spans if s.name.startswith("stage ")]
     assert stages
@@ -329,6 +333,7 @@ def test_step_spans_carry_each_hops_figures(traced):
     }
 
 
+@pytest.mark.cluster
 def test_a_chat_is_a_chat_span_with_its_own_trace(traced):
     (chat,) = [s for s in traced.spans if s.name.startswith("chat ")]
     assert chat.attributes["gen_ai.operation.name"] == "chat"
@@ -336,6 +341,7 @@ def test_a_chat_is_a_chat_span_with_its_own_trace(traced):
     _check_request_trace(traced, chat, traced.chat)
 
 
+@pytest.mark.cluster
 def test_a_refused_request_has_an_error_span(traced):
     (refused,) = [s for s in _request_spans(traced) if s.status_code == STATUS_ERROR]
     assert refused.attributes["error.type"] == "INVALID_ARGUMENT"
@@ -344,6 +350,7 @@ def test_a_refused_request_has_an_error_span(traced):
     assert not [s for s in traced.spans if s.trace_id == refused.trace_id and s.span_id != refused.span_id]
 
 
+@pytest.mark.cluster
 def test_otlp_exports_from_every_process_reach_the_receiver_and_decode(traced):
     services = Counter()
     for request in traced.exports:
@@ -356,6 +363,7 @@ def test_otlp_exports_from_every_process_reach_the_receiver_and_decode(traced):
     assert traced.exit_codes == [0, 0, 0]
 
 
+@pytest.mark.cluster
 def test_prometheus_histograms_count_the_requests_that_were_made(traced):
     done = [traced.traced, traced.chat, *traced.concurrent]
     coordinator = traced.metrics["coordinator"]
@@ -379,6 +387,7 @@ def test_prometheus_histograms_count_the_requests_that_were_made(traced):
     assert "layerline_num_requests_running" in coordinator
 
 
+@pytest.mark.cluster
 def test_prometheus_stage_metrics_count_steps_bytes_and_kv_blocks(traced):
     first, last = traced.metrics["stage-r0-0-2"], traced.metrics["stage-r0-2-4"]
     step = "layerline_stage_step_seconds"
@@ -402,6 +411,7 @@ def test_prometheus_stage_metrics_count_steps_bytes_and_kv_blocks(traced):
         )
 
 
+@pytest.mark.cluster
 def test_with_tracing_off_no_span_is_created(checkpoint, tmp_path):
     """The OTLP environment points at a receiver, a caller sends its context: still no span."""
     receiver = OtlpReceiver()
@@ -483,6 +493,7 @@ def test_bubble_fraction_is_the_idle_share_of_the_time_with_live_sequences():
     assert clock.fraction() == 0.0  # nothing active since the previous reading
 
 
+@pytest.mark.cluster
 def test_the_coordinator_with_its_exporters_imports_no_torch():
     code = (
         "import sys, layerline.coordinator.server, layerline.shared.telemetry\n"

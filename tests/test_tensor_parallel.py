@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from layerline.shared.model_config import ConfigError, LayerRange, ModelConfig
-from layerline.stage_worker.parallel import TensorParallel, shards_for
+from layerline.stage_worker.parallel import TensorParallel
+from layerline.stage_worker.sharding import shards_for
 from layerline.stage_worker.weights import CheckpointReader, load_stage
 
 from .pipeline import LocalPipeline
@@ -134,6 +135,7 @@ def _alive(pid: int) -> bool:
     return status.exists() and "State:\tZ" not in status.read_text()
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
 def test_a_rank_that_dies_or_hangs_fails_the_whole_stage(tmp_path, fault):
     import os
@@ -190,6 +192,7 @@ def _generate_through_the_sdk(model_dir, tmp_path, prompts: list[str], n: int, *
         cluster.stop()
 
 
+@pytest.mark.cluster
 @pytest.mark.real_model
 def test_smollm2_at_tp_3_through_the_sdk_equals_transformers(real_model_dir, tmp_path, hf_greedy):
     prompts = ["Once upon a time", "The three primary colors are"]
@@ -202,6 +205,7 @@ def test_smollm2_at_tp_3_through_the_sdk_equals_transformers(real_model_dir, tmp
     assert [w.worker.weights_bytes for w in status.workers] == [54_298_944 * 4]
 
 
+@pytest.mark.cluster
 @pytest.mark.real_model
 def test_two_stages_of_tp_2_through_the_sdk_equal_transformers(real_model_dir, tmp_path):
     """A tiny model that tp 2 can cut (SmolLM2's 9 heads cannot be), with SmolLM2's tokenizer."""

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 
 import grpc
 
-from layerline.launcher import head_weight, split_layers
+from layerline.launcher import split_layers
 from layerline.shared.model_config import ModelConfig
 from layerline.shared.rpc import listen, server_options
 
@@ -57,9 +57,8 @@ class Shapes:
     o_width: int  # num_heads * head_dim
 
     @classmethod
-    def of(cls, config: dict) -> Shapes:
-        """From a checkpoint's config.json, read and checked as a stage reads it."""
-        c = ModelConfig.from_dict(config)
+    def of(cls, c: ModelConfig) -> Shapes:
+        """From a model's config, as a stage reads it."""
         return cls(
             c.vocab_size,
             c.hidden_size,
@@ -107,7 +106,7 @@ async def _serve_stage(port: int, shapes: Shapes, start: int, end: int, next_add
             x = x + F.linear(F.silu(gate) * up, down)
         return x
 
-    async def step(requests, context):  # type: ignore[no-untyped-def]
+    async def step(requests, context):
         async for message in requests:
             if embedding is not None:
                 x = embedding[int.from_bytes(message, "little")][None]  # [1, hidden]
@@ -120,7 +119,7 @@ async def _serve_stage(port: int, shapes: Shapes, start: int, end: int, next_add
                     channel = grpc.aio.insecure_channel(next_address)
                     downstream.append(
                         channel.stream_stream(f"/{SERVICE}/Step", request_serializer=_raw, response_deserializer=_raw)(
-                            wait_for_ready=True
+                            wait_for_ready=True  # type: ignore[call-arg]  # grpc-stubs lack grpc.aio's iterator-less call
                         )
                     )
                 await downstream[0].write(encode(x).SerializeToString())
@@ -128,7 +127,7 @@ async def _serve_stage(port: int, shapes: Shapes, start: int, end: int, next_add
                 answers["now"].put_nowait(int(F.linear(x, head).argmax()).to_bytes(4, "little"))
         yield b""
 
-    async def results(request, context):  # type: ignore[no-untyped-def]
+    async def results(request, context):
         queue = answers["now"] = asyncio.Queue()  # replaces the last round's subscriber
         await context.send_initial_metadata(())  # the driver knows it is subscribed
         while True:
@@ -156,7 +155,7 @@ async def _drive(first: str, last: str, tokens: int) -> tuple[list[int], float]:
     async with grpc.aio.insecure_channel(first) as head, grpc.aio.insecure_channel(last) as tail:
         results = tail.unary_stream(f"/{SERVICE}/Results", request_serializer=_raw, response_deserializer=_raw)(b"")
         await asyncio.wait_for(results.initial_metadata(), TOKEN_TIMEOUT_S)
-        steps = head.stream_stream(f"/{SERVICE}/Step", request_serializer=_raw, response_deserializer=_raw)()
+        steps = head.stream_stream(f"/{SERVICE}/Step", request_serializer=_raw, response_deserializer=_raw)()  # type: ignore[call-arg]
         token, out, gaps = 1, [], []
         for i in range(tokens):
             started = time.perf_counter()
@@ -167,9 +166,9 @@ async def _drive(first: str, last: str, tokens: int) -> tuple[list[int], float]:
                 raise TimeoutError(
                     f"the bare relay {first} .. {last} returned no token {i} within {TOKEN_TIMEOUT_S:.0f} s"
                 ) from None
-            if answer is grpc.aio.EOF:
+            if answer is grpc.aio.EOF:  # type: ignore[attr-defined]  # grpc-stubs lack it
                 raise RuntimeError(f"the bare relay's results stream from {last} ended")
-            token = int.from_bytes(answer, "little")
+            token = int.from_bytes(answer, "little")  # type: ignore[arg-type]
             gaps.append(time.perf_counter() - started)
             out.append(token)
         results.cancel()
@@ -208,11 +207,16 @@ class HopFloor:
 
 
 def measure_hop_floor(
-    config: dict, *, rounds: int = 5, tokens: int = 64, port: int = 7190, log: Callable[[str], None] = lambda _: None
+    config: ModelConfig,
+    *,
+    rounds: int = 5,
+    tokens: int = 64,
+    port: int = 7190,
+    log: Callable[[str], None] = lambda _: None,
 ) -> HopFloor:
     """Start the relays (ports `port`..`port + 2`), measure, stop them; raise if their tokens differ."""
     shapes = Shapes.of(config)
-    ranges = split_layers(shapes.num_layers, 2, head_weight=head_weight(config))
+    ranges = split_layers(shapes.num_layers, 2, head_weight=config.head_weight)
     plan = [
         (port, 0, shapes.num_layers, None),
         (port + 1, *ranges[0], f"127.0.0.1:{port + 2}"),

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -33,6 +34,7 @@ from layerline.bench.hop_floor import measure_hop_floor
 from layerline.client import AsyncClient, Client
 from layerline.launcher import ClusterPlan, LocalCluster
 from layerline.protos.v1 import stage_pb2, stage_pb2_grpc
+from layerline.shared.model_config import ModelConfig
 
 PROMPT = "Write a long story about a dragon who learns to paint. Once upon a time"
 # About 300 tokens, for the time to the first token of a long prompt (prefill, not decoding).
@@ -101,7 +103,7 @@ class Baseline:
         self.long_ids = torch.tensor([tok(LONG_PROMPT)["input_ids"]])
         self._generate(self.ids, 4)  # warm up
 
-    def _generate(self, ids, n: int) -> float:  # type: ignore[no-untyped-def]
+    def _generate(self, ids, n: int) -> float:
         with self.torch.no_grad():
             start = time.perf_counter()
             self.model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=2)
@@ -187,8 +189,8 @@ def _median_stream(samples: list[Stream]) -> Stream:
     return Stream(*(statistics.median(getattr(s, f.name) for s in samples) for f in fields(Stream)))
 
 
-def _rounds(rounds: int, runs: dict[str, Callable[[], object]]) -> dict[str, list]:  # type: ignore[type-arg]
-    samples: dict[str, list] = {name: [] for name in runs}  # type: ignore[type-arg]
+def _rounds(rounds: int, runs: dict[str, Callable[[], object]]) -> dict[str, list]:
+    samples: dict[str, list] = {name: [] for name in runs}
     for r in range(rounds):
         for name, run in runs.items():
             samples[name].append(run())
@@ -208,7 +210,7 @@ def _show(value: object) -> str:
 def run_bench(
     checkpoint: Path,
     *,
-    dtype: str = "float32",
+    dtype: str = ClusterPlan.dtype,
     new_tokens: int = 64,
     rounds: int = 5,
     port: int = 7179,
@@ -219,7 +221,11 @@ def run_bench(
     _log(f"loading the transformers baseline ({dtype}, {threads} threads) ...")
     baseline = Baseline(checkpoint, dtype=dtype, threads=threads)
     logs = Path(tempfile.gettempdir()) / f"layerline-bench-{os.getpid()}"
-    layouts = {"1_stage": dict(stages=1), "2_stages": dict(stages=2), "1_stage_tp3": dict(stages=1, tp=3)}
+    layouts: dict[str, dict[str, Any]] = {
+        "1_stage": {"stages": 1},
+        "2_stages": {"stages": 2},
+        "1_stage_tp3": {"stages": 1, "tp": 3},
+    }
     clusters = {
         # Every round sends the same prompt: without the cache of finished requests' KV, each
         # round's first token is computed, as transformers computes it (live sharing stays on).
@@ -228,7 +234,6 @@ def run_bench(
                 model=str(checkpoint),
                 dtype=dtype,
                 port=port + i,
-                kv_memory="256M",
                 log_dir=logs / name,
                 coordinator_args=("--prefix-cache", "0"),
                 **layout,
@@ -292,8 +297,10 @@ def run_bench(
         for cluster in clusters.values():
             cluster.stop()
     _log("the hop's floor: a bare gRPC relay of the model's matmuls (float32) ...")
-    config = json.loads((checkpoint / "config.json").read_text())
-    result.hop_floor = asdict(measure_hop_floor(config, rounds=rounds, tokens=new_tokens, port=port + 10, log=_log))
+    floor = measure_hop_floor(
+        ModelConfig.from_checkpoint(checkpoint), rounds=rounds, tokens=new_tokens, port=port + 10, log=_log
+    )
+    result.hop_floor = asdict(floor)
     s = {k: v.decode_tokens_per_s for k, v in result.single_stream.items()}
     a = result.aggregate_tokens_per_s
     result.ratios = {
@@ -314,7 +321,7 @@ def run_bench(
             result.single_stream["2_stages"].other_ms - result.single_stream["1_stage"].other_ms
         ),
         # The same difference through the bare relay: this machine's part of the figure above.
-        "added_ms_per_extra_hop_per_token_bare_relay": result.hop_floor["added_ms_per_hop"],
+        "added_ms_per_extra_hop_per_token_bare_relay": floor.added_ms_per_hop,
         "single_stream_tp3_vs_tp1": s["1_stage_tp3"] / s["1_stage"],
         # transformers' time to the first token of the long prompt over ours: above 1, ours is sooner
         "long_prompt_ttft_1_stage_vs_transformers": result.long_prompt_ttft_s["transformers"]

@@ -6,33 +6,57 @@ import argparse
 import sys
 from pathlib import Path
 
+from layerline.coordinator.settings import CoordinatorSettings
+from layerline.launcher import ClusterPlan, LocalCluster
+from layerline.shared.settings import DTYPES
+
 from .support import HelpFormatter, Subcommands, add_telemetry_flags, reported_as_errors, telemetry_settings
+
+DEFAULT_TARGET = f"127.0.0.1:{CoordinatorSettings.port}"  # where the client commands find a coordinator
 
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
-    from layerline.model_store import DEFAULT_MODEL
-
     p.add_argument(
         "--model",
-        default=DEFAULT_MODEL,
+        default=CoordinatorSettings.model,
         metavar="M",
-        help=f"checkpoint directory or known name (default: {DEFAULT_MODEL})",
+        help=f"checkpoint directory or known name (default: {CoordinatorSettings.model})",
     )
     p.add_argument(
         "--dtype",
-        default="float32",
-        choices=("float32", "bfloat16", "float16"),
-        help="dtype of weights and activations (default: float32)",
+        default=ClusterPlan.dtype,
+        choices=DTYPES,
+        help=f"dtype of weights and activations (default: {ClusterPlan.dtype})",
     )
 
 
 def _cluster_flags(p: argparse.ArgumentParser) -> None:
     _model_flags(p)
-    p.add_argument("--stages", type=int, default=2, metavar="P", help="pipeline stages per chain (default: 2)")
-    p.add_argument("--replicas", type=int, default=1, metavar="R", help="chains side by side (default: 1)")
-    p.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel ranks per stage (default: 1)")
-    p.add_argument("--port", type=int, default=7070, metavar="P", help="coordinator port (default: 7070)")
-    p.add_argument("--kv-memory", default="256M", metavar="SIZE", help="KV pool per stage worker (default: 256M)")
+    plan = ClusterPlan
+    p.add_argument(
+        "--stages",
+        type=int,
+        default=plan.stages,
+        metavar="P",
+        help=f"pipeline stages per chain (default: {plan.stages})",
+    )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=plan.replicas,
+        metavar="R",
+        help=f"chains side by side (default: {plan.replicas})",
+    )
+    p.add_argument(
+        "--tp", type=int, default=plan.tp, metavar="T", help=f"tensor-parallel ranks per stage (default: {plan.tp})"
+    )
+    p.add_argument("--port", type=int, default=plan.port, metavar="P", help=f"coordinator port (default: {plan.port})")
+    p.add_argument(
+        "--kv-memory",
+        default=plan.kv_memory,
+        metavar="SIZE",
+        help=f"KV pool per stage worker (default: {plan.kv_memory})",
+    )
     add_telemetry_flags(
         p,
         metrics_port_help="serve Prometheus metrics from every process: the coordinator "
@@ -41,8 +65,7 @@ def _cluster_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _start_cluster(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from layerline.launcher import ClusterPlan, LocalCluster
+def _start_cluster(args: argparse.Namespace) -> LocalCluster:
     from layerline.model_store import ModelStoreError, resolve_model
 
     telemetry_settings(args, host="127.0.0.1")  # a bad flag fails here, before any process starts
@@ -99,15 +122,19 @@ def _run_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stream_answer(target: str, args: argparse.Namespace, prompt: str | None, messages=None) -> int:  # type: ignore[no-untyped-def]
+def _stream_answer(target: str, args: argparse.Namespace, prompt: str, *, chat: bool = False) -> int:
+    """Stream the answer to `prompt` (a chat message when `chat`) to stdout; usage to stderr at the end."""
     from layerline.client import Client, LayerlineError
 
-    params = dict(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    params = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed}
     with Client(target) as client, reported_as_errors(LayerlineError):
-        chunks = client.stream(prompt, **params) if messages is None else client.chat_stream(messages, **params)
+        if chat:
+            chunks = client.chat_stream([{"role": "user", "content": prompt}], **params)
+        else:
+            chunks = client.stream(prompt, **params)
         for chunk in chunks:
             print(chunk.text, end="", flush=True)
-            if chunk.finish_reason:
+            if chunk.finish_reason and chunk.usage is not None:
                 print(
                     f"\n[{chunk.finish_reason}: {chunk.usage.prompt_tokens} prompt + "
                     f"{chunk.usage.completion_tokens} completion tokens]",
@@ -115,6 +142,12 @@ def _stream_answer(target: str, args: argparse.Namespace, prompt: str | None, me
                 )
     print()
     return 0
+
+
+def _target_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--target", default=DEFAULT_TARGET, metavar="ADDR", help="coordinator address (default: %(default)s)"
+    )
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -126,8 +159,7 @@ def _sampling_flags(p: argparse.ArgumentParser) -> None:
 def _run_run(args: argparse.Namespace) -> int:
     cluster = _start_cluster(args)
     try:
-        messages = [{"role": "user", "content": args.prompt}] if args.chat else None
-        return _stream_answer(cluster.address, args, None if args.chat else args.prompt, messages)
+        return _stream_answer(cluster.address, args, args.prompt, chat=args.chat)
     finally:
         cluster.stop()
 
@@ -236,16 +268,22 @@ def add_cluster_commands(commands: Subcommands) -> None:
     run.add_argument("prompt", metavar="PROMPT")
     run.set_defaults(handler=_run_run)
     gen = commands.add_parser("generate", help="stream a completion from a running cluster")
-    gen.add_argument("--target", default="127.0.0.1:7070", metavar="ADDR", help="coordinator address")
+    gen.add_argument(
+        "--target", default=DEFAULT_TARGET, metavar="ADDR", help=f"coordinator address (default: {DEFAULT_TARGET})"
+    )
     _sampling_flags(gen)
     gen.add_argument("prompt", metavar="PROMPT")
     gen.set_defaults(handler=_run_generate)
     chat = commands.add_parser("chat", help="chat with a running cluster (Ctrl-D ends)")
-    chat.add_argument("--target", default="127.0.0.1:7070", metavar="ADDR", help="coordinator address")
+    chat.add_argument(
+        "--target", default=DEFAULT_TARGET, metavar="ADDR", help=f"coordinator address (default: {DEFAULT_TARGET})"
+    )
     _sampling_flags(chat)
     chat.set_defaults(handler=_run_chat)
     status = commands.add_parser("status", help="show the workers and chains of a running cluster")
-    status.add_argument("--target", default="127.0.0.1:7070", metavar="ADDR", help="coordinator address")
+    status.add_argument(
+        "--target", default=DEFAULT_TARGET, metavar="ADDR", help=f"coordinator address (default: {DEFAULT_TARGET})"
+    )
     status.set_defaults(handler=_run_status)
     bench = commands.add_parser(
         "bench",

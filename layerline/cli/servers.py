@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 
+from layerline.coordinator.settings import CoordinatorSettings
+from layerline.shared.settings import DTYPES, format_size, parse_size
+from layerline.stage_worker.settings import WEIGHT_LAYOUTS, StageSettings
+
 from .support import (
     HelpFormatter,
     Subcommands,
@@ -22,74 +26,39 @@ def _run_stage(args: argparse.Namespace) -> int:
     # KV pool): fewer TLB misses while a decode step streams every weight. Read once, at torch's
     # first allocation, so set before torch is imported; an explicit THP_MEM_ALLOC_ENABLE wins.
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-    from layerline.shared.rpc import parse_size
-
     configure_logging()
     with reported_as_errors(ValueError):
-        kv_memory = parse_size(args.kv_memory)
-        max_message = parse_size(args.max_message_size)
+        settings = StageSettings(
+            model=args.model,
+            layers=args.layers,
+            host=args.host,
+            port=args.port,
+            advertise=args.advertise,
+            coordinator=args.coordinator,
+            dtype=args.dtype,
+            device=args.device,
+            kv_memory_bytes=parse_size(args.kv_memory),
+            kv_block_size=args.kv_block_size,
+            weight_layout=args.weight_layout,
+            max_message_bytes=parse_size(args.max_message_size),
+            threads=args.threads,
+            prefill_threads=args.prefill_threads,
+            tp=args.tp,
+            tp_timeout=args.tp_timeout,
+            telemetry=telemetry_settings(args, host=args.host),
+        )
     from layerline.model_store import ModelStoreError
     from layerline.shared.model_config import ConfigError
-    from layerline.stage_worker.server import StageSettings, run_stage
+    from layerline.stage_worker.server import run_stage
     from layerline.stage_worker.weights import CheckpointError
 
-    settings = StageSettings(
-        model=args.model,
-        layers=args.layers,
-        host=args.host,
-        port=args.port,
-        advertise=args.advertise,
-        coordinator=args.coordinator,
-        dtype=args.dtype,
-        device=args.device,
-        kv_memory_bytes=kv_memory,
-        kv_block_size=args.kv_block_size,
-        weight_layout=args.weight_layout,
-        max_message_bytes=max_message,
-        threads=args.threads,
-        prefill_threads=args.prefill_threads,
-        tp=args.tp,
-        tp_timeout=args.tp_timeout,
-        tp_rank=args.tp_rank,
-        tp_master=args.tp_master,
-        stage_args=_follower_args(args),
-        telemetry=telemetry_settings(args, host=args.host),
-    )
     with reported_as_errors(ConfigError, CheckpointError, ModelStoreError, ValueError, OSError):
         return run_stage(settings)
 
 
-def _follower_args(args: argparse.Namespace) -> tuple[str, ...]:
-    """The arguments rank 0 starts its other tensor-parallel ranks with."""
-    out = [
-        "--model",
-        args.model,
-        "--layers",
-        args.layers,
-        "--dtype",
-        args.dtype,
-        "--device",
-        args.device,
-        "--kv-memory",
-        args.kv_memory,
-        "--kv-block-size",
-        str(args.kv_block_size),
-        "--tp",
-        str(args.tp),
-        "--weight-layout",
-        args.weight_layout,
-        "--tp-timeout",
-        str(args.tp_timeout),
-    ]
-    if args.threads:
-        out += ["--threads", str(args.threads)]
-    if args.prefill_threads:
-        out += ["--prefill-threads", str(args.prefill_threads)]
-    return tuple(out)
-
-
 def add_stage_commands(commands: Subcommands) -> None:
     """`layerline stage`: one stage worker process."""
+    S = StageSettings
     stage = commands.add_parser(
         "stage",
         help="serve a layer range of a model as a stage worker",
@@ -105,39 +74,51 @@ def add_stage_commands(commands: Subcommands) -> None:
         "--model", required=True, metavar="M", help="checkpoint directory, or a known model name (fetched on first use)"
     )
     stage.add_argument("--layers", required=True, metavar="START:END", help="half-open layer range, e.g. 0:15")
-    stage.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: 127.0.0.1)")
+    stage.add_argument("--host", default=S.host, help=f"interface to listen on (default: {S.host})")
     stage.add_argument(
-        "--port", type=int, default=0, metavar="P", help="port to listen on (default: 0, a free port, logged at start)"
+        "--port",
+        type=int,
+        default=S.port,
+        metavar="P",
+        help=f"port to listen on (default: {S.port}, a free port, logged at start)",
     )
     stage.add_argument(
         "--advertise", metavar="HOST:PORT", help="address peers reach this stage at (default: HOST:PORT)"
     )
     stage.add_argument("--coordinator", metavar="ADDR", help="coordinator to register with")
     stage.add_argument(
-        "--dtype",
-        default="float32",
-        choices=("float32", "bfloat16", "float16"),
-        help="dtype of weights and activations (default: float32)",
+        "--dtype", default=S.dtype, choices=DTYPES, help=f"dtype of weights and activations (default: {S.dtype})"
     )
-    stage.add_argument("--device", default="cpu", metavar="D", help="torch device (default: cpu)")
+    stage.add_argument("--device", default=S.device, metavar="D", help=f"torch device (default: {S.device})")
+    kv_memory = format_size(S.kv_memory_bytes)
     stage.add_argument(
-        "--kv-memory", default="256M", metavar="SIZE", help="memory preallocated for the paged KV cache (default: 256M)"
+        "--kv-memory",
+        default=kv_memory,
+        metavar="SIZE",
+        help=f"memory preallocated for the paged KV cache (default: {kv_memory})",
     )
-    stage.add_argument("--kv-block-size", type=int, default=16, metavar="N", help="tokens per KV block (default: 16)")
+    stage.add_argument(
+        "--kv-block-size",
+        type=int,
+        default=S.kv_block_size,
+        metavar="N",
+        help=f"tokens per KV block (default: {S.kv_block_size})",
+    )
     stage.add_argument(
         "--weight-layout",
-        default="both",
-        choices=("both", "packed", "plain"),
+        default=S.weight_layout,
+        choices=WEIGHT_LAYOUTS,
         help="float32 on CPU: keep the linear weights both plain (fastest for one row, "
         "a lone stream's token) and packed for oneDNN (1.5-2.5x faster for several "
         "rows), at twice their memory; or only 'packed' (one copy, single rows "
-        "5-15%% slower); or only 'plain' (default: both)",
+        f"5-15%% slower); or only 'plain' (default: {S.weight_layout})",
     )
+    max_message = format_size(S.max_message_bytes)
     stage.add_argument(
         "--max-message-size",
-        default="64M",
+        default=max_message,
         metavar="SIZE",
-        help="gRPC message limit; larger hidden states travel in chunks (default: 64M)",
+        help=f"gRPC message limit; larger hidden states travel in chunks (default: {max_message})",
     )
     stage.add_argument("--threads", type=int, metavar="N", help="torch CPU threads per rank (default: all cores)")
     stage.add_argument(
@@ -152,16 +133,16 @@ def add_stage_commands(commands: Subcommands) -> None:
     stage.add_argument(
         "--tp",
         type=int,
-        default=1,
+        default=S.tp,
         metavar="T",
-        help="tensor-parallel ranks on this node, one process each; NCCL on CUDA, gloo on CPU (default: 1)",
+        help=f"tensor-parallel ranks on this node, one process each; NCCL on CUDA, gloo on CPU (default: {S.tp})",
     )
     stage.add_argument(
         "--tp-timeout",
         type=float,
-        default=10.0,
+        default=S.tp_timeout,
         metavar="S",
-        help="a rank that dies or hangs fails the whole stage within about S seconds (default: 10)",
+        help=f"a rank that dies or hangs fails the whole stage within about S seconds (default: {S.tp_timeout:g})",
     )
     add_telemetry_flags(
         stage,
@@ -169,8 +150,6 @@ def add_stage_commands(commands: Subcommands) -> None:
         "time, KV blocks, pipeline bubble) at http://HOST:P/metrics "
         "(default: 0, no metrics)",
     )
-    stage.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)
-    stage.add_argument("--tp-master", help=argparse.SUPPRESS)
     stage.set_defaults(handler=_run_stage)
 
 
@@ -189,31 +168,31 @@ def _fraction(text: str) -> float:
 
 def _run_coordinator(args: argparse.Namespace) -> int:
     configure_logging()
-    from layerline.coordinator.server import CoordinatorSettings, run_coordinator
+    with reported_as_errors(ValueError):
+        settings = CoordinatorSettings(
+            model=args.model,
+            host=args.host,
+            port=args.port,
+            default_max_tokens=args.default_max_tokens,
+            max_active=args.max_active,
+            max_queued=args.max_queued,
+            rate_limit=args.rate_limit,
+            token_budget=args.token_budget,
+            share_prefixes=not args.no_prefix_sharing,
+            prefix_cache=args.prefix_cache,
+            depth=args.depth,
+            telemetry=telemetry_settings(args, host=args.host),
+        )
+    from layerline.coordinator.server import run_coordinator
     from layerline.model_store import ModelStoreError
 
-    settings = CoordinatorSettings(
-        model=args.model,
-        host=args.host,
-        port=args.port,
-        default_max_tokens=args.default_max_tokens,
-        max_active=args.max_active,
-        max_queued=args.max_queued,
-        rate_limit=args.rate_limit,
-        token_budget=args.token_budget,
-        share_prefixes=not args.no_prefix_sharing,
-        prefix_cache=args.prefix_cache,
-        depth=args.depth,
-        telemetry=telemetry_settings(args, host=args.host),
-    )
     with reported_as_errors(ModelStoreError, ValueError, OSError):
         return run_coordinator(settings)
 
 
 def add_coordinator_commands(commands: Subcommands) -> None:
     """`layerline coordinator`: the process clients talk to."""
-    from layerline.model_store import DEFAULT_MODEL
-
+    C = CoordinatorSettings
     c = commands.add_parser(
         "coordinator",
         help="run the coordinator that clients call and stage workers join",
@@ -225,38 +204,46 @@ def add_coordinator_commands(commands: Subcommands) -> None:
     )
     c.add_argument(
         "--model",
-        default=DEFAULT_MODEL,
+        default=C.model,
         metavar="M",
-        help=f"checkpoint directory or known name, for the tokenizer (default: {DEFAULT_MODEL})",
+        help=f"checkpoint directory or known name, for the tokenizer (default: {C.model})",
     )
-    c.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: 127.0.0.1)")
-    c.add_argument("--port", type=int, default=7070, metavar="P", help="port to listen on (default: 7070)")
+    c.add_argument("--host", default=C.host, help=f"interface to listen on (default: {C.host})")
+    c.add_argument("--port", type=int, default=C.port, metavar="P", help=f"port to listen on (default: {C.port})")
     c.add_argument(
         "--default-max-tokens",
         type=int,
-        default=256,
+        default=C.default_max_tokens,
         metavar="N",
-        help="max_tokens when a request does not say (default: 256)",
+        help=f"max_tokens when a request does not say (default: {C.default_max_tokens})",
     )
     c.add_argument(
-        "--max-active", type=int, default=256, metavar="N", help="sequences generating at once (default: 256)"
+        "--max-active",
+        type=int,
+        default=C.max_active,
+        metavar="N",
+        help=f"sequences generating at once (default: {C.max_active})",
     )
     c.add_argument(
         "--max-queued",
         type=int,
-        default=512,
+        default=C.max_queued,
         metavar="N",
-        help="requests waiting for a slot before RESOURCE_EXHAUSTED (default: 512)",
+        help=f"requests waiting for a slot before RESOURCE_EXHAUSTED (default: {C.max_queued})",
     )
     c.add_argument(
-        "--rate-limit", type=float, default=1000.0, metavar="R", help="new requests admitted per second (default: 1000)"
+        "--rate-limit",
+        type=float,
+        default=C.rate_limit,
+        metavar="R",
+        help=f"new requests admitted per second (default: {C.rate_limit:g})",
     )
     c.add_argument(
         "--token-budget",
         type=int,
-        default=512,
+        default=C.token_budget,
         metavar="N",
-        help="tokens per micro-batch step; longer prompts are prefilled in chunks (default: 512)",
+        help=f"tokens per micro-batch step; longer prompts are prefilled in chunks (default: {C.token_budget})",
     )
     c.add_argument(
         "--no-prefix-sharing",
@@ -268,12 +255,12 @@ def add_coordinator_commands(commands: Subcommands) -> None:
     c.add_argument(
         "--prefix-cache",
         type=_fraction,
-        default=0.25,
+        default=C.prefix_cache,
         metavar="F",
         help="share of each chain's KV memory (that of its smallest stage) in which requests "
         "that ended keep their KV, least recently used out first, for later prompts "
         "that start the same way: a system prompt, the turns of a chat; 0 frees every "
-        "request's KV when it ends (default: 0.25)",
+        f"request's KV when it ends (default: {C.prefix_cache:g})",
     )
     c.add_argument(
         "--depth", type=int, metavar="N", help="micro-batches in flight per chain (default: the chain's length)"

@@ -11,10 +11,21 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TypeAlias
 
-if TYPE_CHECKING:
-    from layerline.shared.telemetry import TelemetrySettings
+from layerline.shared.settings import TRACE_MODES, TelemetrySettings, configure_logging
+
+__all__ = [
+    "EXIT_INTERRUPTED",
+    "EXIT_USER_ERROR",
+    "CommandError",
+    "HelpFormatter",
+    "Subcommands",
+    "add_telemetry_flags",
+    "configure_logging",
+    "reported_as_errors",
+    "telemetry_settings",
+]
 
 Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 EXIT_USER_ERROR = 2
@@ -48,19 +59,12 @@ class HelpFormatter(argparse.HelpFormatter):
         )
 
 
-def configure_logging() -> None:
-    """Log lines for long-running processes (stage workers, the coordinator)."""
-    import logging
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-
-
 def add_telemetry_flags(p: argparse.ArgumentParser, *, metrics_port_help: str) -> None:
     """`--trace`, `--otlp-endpoint` and `--metrics-port`, the same for every server command."""
     p.add_argument(
         "--trace",
         default="off",
-        choices=("off", "console", "otlp"),
+        choices=TRACE_MODES,
         help="export OpenTelemetry traces: off; console (one JSON line per span on stdout); "
         "otlp (OTLP over gRPC to --otlp-endpoint, else OTEL_EXPORTER_OTLP_TRACES_ENDPOINT "
         "or OTEL_EXPORTER_OTLP_ENDPOINT, else http://localhost:4317) (default: off)",
@@ -75,8 +79,6 @@ def add_telemetry_flags(p: argparse.ArgumentParser, *, metrics_port_help: str) -
 
 def telemetry_settings(args: argparse.Namespace, *, host: str) -> TelemetrySettings:
     """The settings of parsed telemetry flags; a bad value or combination is a CommandError."""
-    from layerline.shared.telemetry import TelemetrySettings
-
     with reported_as_errors(ValueError):
         return TelemetrySettings(
             trace=args.trace, otlp_endpoint=args.otlp_endpoint, metrics_port=args.metrics_port, metrics_host=host

@@ -1,0 +1,227 @@
+"""The CPU weight layouts of a loaded `StageModel`'s linear layers, applied once after loading.
+
+A loaded model's linear layers are torch's `nn.Linear`, holding the checkpoint's [out, in]
+weight. `apply_layouts` replaces each with a module that computes the same product from a layout
+of the same weight that is faster on CPU (each class below says what it measured):
+
+- qkv, o and gate_up become `TransposedLinear` (the weight kept [in, out]);
+- down becomes `Linear` (torch's layout, multiplied the other way round from MANY_ROWS rows on
+  when the step runs on several threads);
+- the LM head becomes `LMHead` (column blocks of its weight);
+- then, where oneDNN serves the dtype (`can_pack`) and the weight layout is not `plain`,
+  `pack_linears` wraps each of them in a `PackedLinear`.
+
+Layers are converted one at a time and each drops the weight it replaces, so converting holds
+one extra tensor at a time beyond what the model keeps.
+
+Knows the model's module names, and nothing of checkpoints, of how tensors are cut over ranks
+(a layout works on whatever shard its rank holds), of the network or of the engine.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .llama import DecoderLayer, StageModel, StepThreads
+from .settings import WEIGHT_LAYOUTS  # see PackedLinear; the stage's --weight-layout
+
+MANY_ROWS = 16  # from this many rows on, a matmul is worth computing as (W x^T)^T (see below)
+HEAD_BLOCKS = (8, 4, 2, 1)  # the LM head's blocks: the first of these that divides the vocabulary
+
+
+def _by_weight_rows(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T + b computed as (W x^T)^T: `weight` is [out, in] (any strides); contiguous result."""
+    y = (weight @ x.t()).t()
+    return y + bias if bias is not None else y.contiguous()
+
+
+class TransposedLinear(nn.Module):
+    """y = x W^T + b, with W kept transposed: `weight_t` is [in, out], contiguous.
+
+    On CPU a matmul of one or a few rows (decoding) streams a weight stored this way about twice
+    as fast as torch's [out, in] layout when `out >= in`. `of` transposes the loaded [out, in]
+    weight once.
+
+    From MANY_ROWS rows on, a weight no more than twice as wide as it is deep (q/k/v, o) is
+    multiplied the other way round, y^T = W x^T: MKL then splits the weight's many rows rather
+    than the few rows of x, 5-10% faster on one thread and about 30% on two (measured on this
+    model's shapes). Wider ones (gate/up, the LM head) lose that way on one thread and keep x W^T.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool) -> None:
+        super().__init__()
+        self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.flipped = out_features <= 2 * in_features
+
+    @classmethod
+    def of(cls, plain: nn.Module) -> TransposedLinear:
+        """The layout of a loaded `nn.Linear`; its bias is shared, not copied."""
+        assert isinstance(plain, nn.Linear), plain
+        with torch.device("meta"):
+            layer = cls(plain.in_features, plain.out_features, bias=plain.bias is not None)
+        layer.weight_t = nn.Parameter(plain.weight.detach().t().contiguous())  # [out, in] -> [in, out]
+        layer.bias = plain.bias
+        return layer
+
+    def dense(self) -> torch.Tensor:
+        return self.weight_t.t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.flipped and x.shape[0] >= MANY_ROWS:
+            return _by_weight_rows(self.weight_t.t(), x, self.bias)
+        if self.bias is None:
+            return x @ self.weight_t
+        return torch.addmm(self.bias, x, self.weight_t)
+
+
+class Linear(nn.Linear):
+    """torch's Linear ([out, in] weight), computed as y^T = W x^T from MANY_ROWS rows on when
+    the step runs on more than one thread (`step_threads`, the model's): about 25% faster for
+    the MLP's down projection on two threads, slower on one."""
+
+    step_threads: StepThreads
+
+    @classmethod
+    def of(cls, plain: nn.Module, *, step_threads: StepThreads) -> Linear:
+        """A loaded `nn.Linear` as this class: the same weight and bias, not copied."""
+        assert isinstance(plain, nn.Linear), plain
+        with torch.device("meta"):
+            layer = cls(plain.in_features, plain.out_features, bias=plain.bias is not None)
+        layer.weight, layer.bias = plain.weight, plain.bias
+        layer.step_threads = step_threads
+        return layer
+
+    def dense(self) -> torch.Tensor:
+        return self.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] >= MANY_ROWS and self.step_threads.count > 1:
+            return _by_weight_rows(self.weight, x, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+class LMHead(nn.Module):
+    """logits = x W^T with the head's W [vocab, hidden] kept as column blocks of W^T:
+    `weight_blocks` is [blocks, hidden, vocab / blocks], contiguous, and one batched matmul runs
+    every block. MKL then works on the blocks side by side, where one [hidden, vocab] matrix
+    leaves it little to split. Measured on SmolLM2's head (49152 x 576) against that one
+    matrix: 16 rows take 22 instead of 30 ms on one thread and 11 instead of 22 on two; one row
+    takes as long on one thread, and 3.2 instead of 4.6 ms on two.
+    """
+
+    def __init__(self, hidden: int, vocab: int) -> None:
+        super().__init__()
+        blocks = next(b for b in HEAD_BLOCKS if vocab % b == 0)
+        self.weight_blocks = nn.Parameter(torch.empty(blocks, hidden, vocab // blocks))
+        self.bias = None
+
+    @classmethod
+    def of(cls, plain: nn.Module) -> LMHead:
+        """The layout of a loaded head (an `nn.Linear` without bias)."""
+        assert isinstance(plain, nn.Linear) and plain.bias is None, plain
+        with torch.device("meta"):
+            head = cls(plain.in_features, plain.out_features)
+        head.weight_blocks = nn.Parameter(cls.blocked(plain.weight.detach()))
+        return head
+
+    def dense(self) -> torch.Tensor:
+        """The [vocab, hidden] weight, copied out of the blocks."""
+        blocks, hidden, width = self.weight_blocks.shape
+        return self.weight_blocks.transpose(1, 2).reshape(blocks * width, hidden)
+
+    @staticmethod
+    def blocked(weight: torch.Tensor) -> torch.Tensor:
+        """A checkpoint's [vocab, hidden] head weight in this module's layout."""
+        vocab, hidden = weight.shape
+        blocks = next(b for b in HEAD_BLOCKS if vocab % b == 0)
+        # [vocab, hidden] -> [blocks, vocab / blocks, hidden] -> [blocks, hidden, vocab / blocks]
+        return weight.reshape(blocks, vocab // blocks, hidden).transpose(1, 2).contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.matmul(x, self.weight_blocks)  # [blocks, R, vocab / blocks]
+        return y.transpose(0, 1).reshape(x.shape[0], -1)  # [R, vocab], block after block
+
+
+def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether `PackedLinear` serves this dtype on this device: float32 on CPU, and bfloat16 on
+    CPUs with bfloat16 instructions."""
+    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T + b through oneDNN, with W reordered once, at load, into oneDNN's blocked layout.
+
+    On CPU in float32 this beats the plain layouts above from two rows on. Measured on this
+    model's 19 layers on one thread: 2 rows 1.2x, 4 rows 2.5x, 16 rows 1.9x, 32 rows 1.5x faster;
+    the LM head at 16 rows 2x. One row is 5-15% slower than the plain layouts (the LM head's
+    1.5x slower), and a token of a lone stream is one row.
+
+    So by default (`--weight-layout both`) the plain module is kept beside the packed weight and
+    runs single rows: the speed of each, for twice the memory of these weights. `packed` keeps
+    the packed weight alone (the memory of one copy; single rows slower), `plain` does not pack.
+
+    In bfloat16 (on a CPU with bfloat16 instructions) the packed weight wins at every row count
+    (one row 1.7x, 16 rows 1.65x, 32 rows 1.3x against torch's plain bfloat16 matmul, 19 layers,
+    one thread), so no plain copy is kept even under `both`.
+    """
+
+    def __init__(self, plain: TransposedLinear | Linear | LMHead, *, keep_plain: bool) -> None:
+        super().__init__()
+        # Detached: an autograd graph from the packed weight would keep the plain one alive.
+        weight = plain.dense().detach().contiguous()
+        self.register_buffer("weight_packed", torch.ops.mkldnn._reorder_linear_weight(weight, None))
+        self.register_buffer("bias", None if plain.bias is None else plain.bias.detach().contiguous())
+        self.plain = plain if keep_plain else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.plain is not None and x.shape[0] == 1:
+            return self.plain(x)
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight_packed, self.bias, "none", [], "")
+
+
+def check_weight_layout(weight_layout: str) -> None:
+    """ValueError naming the choices unless `weight_layout` is one of WEIGHT_LAYOUTS."""
+    if weight_layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight layout {weight_layout!r} is not one of {', '.join(WEIGHT_LAYOUTS)}")
+
+
+def apply_layouts(
+    model: StageModel, *, weight_layout: str, dtype: torch.dtype, device: torch.device | str
+) -> StageModel:
+    """Replace the plain linear layers of a loaded `model` by the layouts above, in place.
+
+    `weight_layout` (the stage's --weight-layout) says whether the linear layers are also, or
+    only, kept packed for oneDNN where `can_pack(dtype, device)`; see `PackedLinear`.
+    """
+    check_weight_layout(weight_layout)
+    for layer in model.layers.values():
+        assert isinstance(layer, DecoderLayer), layer
+        attn, mlp = layer.self_attn, layer.mlp
+        # Each assignment drops the nn.Linear it replaces, and with it the [out, in] weight.
+        attn.qkv_proj = TransposedLinear.of(attn.qkv_proj)
+        attn.o_proj = TransposedLinear.of(attn.o_proj)
+        mlp.gate_up_proj = TransposedLinear.of(mlp.gate_up_proj)
+        mlp.down_proj = Linear.of(mlp.down_proj, step_threads=model.step_threads)  # out < in: [out, in] is faster
+    if model.lm_head is not None:
+        model.lm_head = LMHead.of(model.lm_head)
+    if weight_layout != "plain" and can_pack(dtype, device):
+        pack_linears(model, keep_plain=weight_layout == "both" and dtype == torch.float32)
+    return model
+
+
+def pack_linears(model: nn.Module, *, keep_plain: bool) -> None:
+    """Wrap every linear layer (and the LM head) in its `PackedLinear`, once, after the layouts."""
+    # Only the owners are listed, so that each plain layer not kept is freed as soon as it is packed.
+    slots = [
+        (owner, name)
+        for owner in model.modules()
+        for name, child in owner.named_children()
+        if isinstance(child, (TransposedLinear, Linear, LMHead))
+    ]
+    for owner, name in slots:
+        setattr(owner, name, PackedLinear(getattr(owner, name), keep_plain=keep_plain))

@@ -1,0 +1,59 @@
+"""A stage worker's settings: one frozen dataclass, the command line's defaults included.
+
+Owns `StageSettings` (each field with what it means) and the checks a value must pass before a
+process starts. The command line reads its defaults from here and builds one; a tensor-parallel
+stage hands it to its other ranks as JSON (`layerline.shared.settings.to_json`). Imports only
+the standard library and `layerline.shared.settings`, so `layerline --help` stays light.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from layerline.shared.settings import DEFAULT_MAX_MESSAGE_BYTES, DTYPES, TelemetrySettings
+
+# float32 on CPU: linear weights both plain and packed for oneDNN, or one of them (stage_worker/layouts.py)
+WEIGHT_LAYOUTS = ("both", "packed", "plain")
+
+
+@dataclass(frozen=True)
+class StageSettings:
+    model: str  # checkpoint directory, or a known model name fetched on first use
+    layers: str  # the half-open layer range "START:END"
+    host: str = "127.0.0.1"  # interface to listen on
+    port: int = 0  # port to listen on; 0 picks a free one
+    advertise: str | None = None  # address peers reach this stage at; default host:port
+    coordinator: str | None = None  # coordinator address to register with
+    dtype: str = "float32"  # weights and activations: one of DTYPES
+    device: str = "cpu"  # torch device: cpu, cuda, cuda:1 ...
+    kv_memory_bytes: int = 256 << 20  # budget of the preallocated KV block pool
+    kv_block_size: int = 16  # tokens per KV block
+    weight_layout: str = "both"  # one of WEIGHT_LAYOUTS (see stage_worker/layouts.py)
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # gRPC message limit; larger tensors are chunked
+    max_tensor_bytes: int = 1 << 30  # largest hidden-state tensor accepted in one step
+    max_in_flight: int = 16  # steps per upstream stream received and not yet answered
+    max_sequences: int = 1024  # sequences in one step
+    max_step_tokens: int = 8192  # tokens in one step
+    threads: int | None = None  # torch CPU threads; default: all cores
+    prefill_threads: int | None = None  # threads for steps of 64 tokens or more; default: `threads`
+    grace_seconds: float = 5.0  # how long SIGTERM waits for in-flight calls
+    tp: int = 1  # tensor-parallel ranks of this stage, on this node
+    tp_timeout: float = 10.0  # a collective waiting longer than this fails the stage (seconds)
+    telemetry: TelemetrySettings = field(default_factory=TelemetrySettings)  # traces, metrics; off by default
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.weight_layout not in WEIGHT_LAYOUTS:
+            raise ValueError(f"--weight-layout {self.weight_layout!r} is not one of {', '.join(WEIGHT_LAYOUTS)}")
+        if self.tp < 1:
+            raise ValueError(f"--tp {self.tp} must be at least 1")
+        for name in ("threads", "prefill_threads"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} {value} must be at least 1 (or left out: all cores)")
+
+    @property
+    def max_chunk_bytes(self) -> int:
+        # Leave room in each message for the frame's own fields.
+        return max(1024, self.max_message_bytes - min(64 << 10, self.max_message_bytes // 2))
