@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,15 +9,11 @@ import pytest
 
 @pytest.fixture(scope="session")
 def real_model_dir() -> Path:
-    """The HF-format checkpoint `layerline model fetch` makes from the embedded SmolLM2 GGUF."""
-    done = subprocess.run(
-        [sys.executable, "-m", "layerline", "model", "fetch"],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    path = Path(done.stdout.strip().splitlines()[-1])
+    """The HF-format checkpoint `layerline model fetch` makes from the embedded SmolLM2 GGUF,
+    fetched in this process (the command itself is tested in test_model_store.py)."""
+    from layerline.model_store import fetch_model
+
+    path = fetch_model()
     assert (path / "config.json").is_file()
     return path
 

@@ -12,7 +12,7 @@ from layerline.launcher import ClusterPlan, LocalCluster
 
 from .stage_client import free_port
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.cluster]
 
 
 def test_a_burst_past_the_queue_bound_gets_resource_exhausted(real_model_dir, tmp_path, hf_greedy):

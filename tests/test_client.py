@@ -608,6 +608,7 @@ def test_async_errors_are_typed(server: tuple[str, ScriptedCoordinator], coordin
     assert coordinator.cancelled.wait(5.0)
 
 
+@pytest.mark.cluster
 def test_importing_the_sdk_imports_neither_torch_nor_numpy() -> None:
     code = "import sys; import layerline.client; assert 'torch' not in sys.modules and 'numpy' not in sys.modules"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 
@@ -13,8 +14,9 @@ from layerline.launcher import ClusterPlan, LocalCluster
 
 from .stage_client import free_port
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.cluster]
 
+SEED_VARIABLE = "LAYERLINE_FAILOVER_SEED"
 PROMPTS = [f"Chapter {i + 1}. Once upon a time, in a village by the sea," for i in range(16)]
 
 
@@ -36,6 +38,15 @@ async def _streams(address: str, n: int, *, on_token=None) -> list[tuple[list[in
         return await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
 
 
+def _seed() -> int:
+    """The seed of this run's random choices: $LAYERLINE_FAILOVER_SEED replays a run, else a new one.
+
+    Printed, so that pytest shows it beside a failure."""
+    seed = int(os.environ.get(SEED_VARIABLE) or time.time_ns() % 2**32)
+    print(f"failover seed: {seed} (replay with {SEED_VARIABLE}={seed})")
+    return seed
+
+
 def test_sigkill_of_a_stage_worker_loses_no_token(real_model_dir, tmp_path):
     plan = ClusterPlan(
         model=str(real_model_dir), stages=2, replicas=2, port=free_port(), log_dir=tmp_path, kv_memory="32M"
@@ -45,7 +56,7 @@ def test_sigkill_of_a_stage_worker_loses_no_token(real_model_dir, tmp_path):
     try:
         cluster.wait_ready(timeout=180)
         reference = asyncio.run(_streams(cluster.address, 48))
-        rng = random.Random(time.time_ns())
+        rng = random.Random(_seed())
         watched = max(range(len(PROMPTS)), key=lambda i: len(reference[i][0]))  # the longest answer
         assert len(reference[watched][0]) >= 16
         kill_after = rng.randrange(2, len(reference[watched][0]) - 8)

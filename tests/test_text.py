@@ -177,6 +177,7 @@ def test_encode_chat_equals_transformers(real_text: TextModel, real_hf: Any, nam
     assert ids[0] == real_hf.convert_tokens_to_ids("<|im_start|>")  # the template's, not an added BOS
 
 
+@pytest.mark.cluster
 def test_coordinator_text_imports_neither_torch_nor_transformers() -> None:
     code = (
         "import sys, layerline.coordinator.text\n"

@@ -1,0 +1,1 @@
+../../layerline/__init__.py

@@ -1,0 +1,1 @@
+../../layerline/__main__.py
