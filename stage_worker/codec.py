@@ -5,7 +5,10 @@ Owns the mapping between torch tensors and the `Tensor` / `TensorChunk` messages
 from the network is validated before anything is allocated: a known dtype, at most
 `CodecLimits.max_dims` dims, every dim >= 0, element count times item size (computed with Python
 ints, so a huge shape cannot overflow) equal to the byte length and within
-`CodecLimits.max_tensor_bytes`, and chunks contiguous and in order. A bad frame raises
+`CodecLimits.max_tensor_bytes`, the same bound on a tensor with no elements counting its 0 dims as
+1 (so that every shape that passes is one torch can build), and chunks contiguous and in order.
+A caller that knows what the next tensor must be (`Reassembler.add(..., expect=)`) has it checked
+at the first chunk, before anything is kept. A bad frame raises
 `FrameError` (or its subclass `FrameLimitError` for a breached limit) whose message names the
 field and the rule. Nothing is pickled or `torch.load`ed, and decoded tensors own their memory
 (they never alias the protobuf's bytes).
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -49,8 +52,8 @@ class FrameError(InvalidInput):
     """A tensor frame from the network is malformed (INVALID_ARGUMENT)."""
 
 
-class FrameLimitError(OverLimit, FrameError):
-    """A tensor frame is well-formed but breaches a CodecLimits bound (RESOURCE_EXHAUSTED)."""
+class FrameLimitError(FrameError, OverLimit):
+    """A tensor frame is well-formed but breaches a CodecLimits bound (INVALID_ARGUMENT, too)."""
 
 
 _TORCH_DTYPE: dict[tensor_pb2.DType, torch.dtype] = {
@@ -61,6 +64,10 @@ _TORCH_DTYPE: dict[tensor_pb2.DType, torch.dtype] = {
     tensor_pb2.INT32: torch.int32,
 }
 _WIRE_DTYPE: dict[torch.dtype, tensor_pb2.DType] = {dt: wire for wire, dt in _TORCH_DTYPE.items()}
+_MAX_SPAN_BYTES = 1 << 62  # torch's sizes and strides are int64: no shape may span more, whatever the limit
+
+# A check of the next tensor's dtype and shape by a caller that knows what they must be (raises FrameError).
+Expect = Callable[[torch.dtype, tuple[int, ...]], None]
 
 
 def dtype_to_wire(dtype: torch.dtype) -> tensor_pb2.DType:
@@ -94,11 +101,18 @@ def _validated_nbytes(
             raise FrameError(f"{field}.shape[{i}] = {dim}: dimensions must be >= 0")
     dims = tuple(int(d) for d in shape)
     nbytes = math.prod(dims) * dtype.itemsize  # Python ints: exact for any shape
+    name = tensor_pb2.DType.Name(dtype_value)
     if nbytes > limits.max_tensor_bytes:
         raise FrameLimitError(
-            f"{field}.shape {list(dims)} of {tensor_pb2.DType.Name(dtype_value)} is {nbytes} bytes:"
-            f" over max_tensor_bytes = {limits.max_tensor_bytes}"
+            f"{field}.shape {list(dims)} of {name} is {nbytes} bytes: over max_tensor_bytes = {limits.max_tensor_bytes}"
         )
+    if nbytes == 0:  # no elements, yet torch sizes and strides its other dims in int64: bound them too
+        span = math.prod(d for d in dims if d) * dtype.itemsize
+        if span > min(limits.max_tensor_bytes, _MAX_SPAN_BYTES):
+            raise FrameLimitError(
+                f"{field}.shape {list(dims)} of {name} holds no elements, but its nonzero dims span {span} bytes:"
+                f" over max_tensor_bytes = {limits.max_tensor_bytes}"
+            )
     return dtype, dims, nbytes
 
 
@@ -164,9 +178,10 @@ class Reassembler:
     """Turns the chunks of one tensor after another back into tensors.
 
     Feed chunks in the order they arrive; `add` returns the tensor once its last chunk is in, and
-    None before. The first chunk is validated before anything is kept, and received bytes are
-    held only as they arrive (a header claiming a large tensor reserves nothing). After a
-    FrameError the partial tensor is dropped and the reassembler expects a first chunk again.
+    None before. The first chunk is validated before anything is kept (by the codec's rules, then
+    by the caller's `expect`), and received bytes are held only as they arrive (a header claiming
+    a large tensor reserves nothing). After a FrameError the partial tensor is dropped and the
+    reassembler expects a first chunk again.
     """
 
     def __init__(self, *, limits: CodecLimits) -> None:
@@ -189,16 +204,17 @@ class Reassembler:
         """Drops a partially received tensor."""
         self._reset()
 
-    def add(self, msg: tensor_pb2.TensorChunk) -> torch.Tensor | None:
+    def add(self, msg: tensor_pb2.TensorChunk, *, expect: Expect | None = None) -> torch.Tensor | None:
+        """Take the next chunk; the tensor once complete. `expect` is called at a tensor's first chunk."""
         try:
-            return self._add(msg)
+            return self._add(msg, expect)
         except FrameError:
             self._reset()
             raise
 
-    def _add(self, msg: tensor_pb2.TensorChunk) -> torch.Tensor | None:
+    def _add(self, msg: tensor_pb2.TensorChunk, expect: Expect | None) -> torch.Tensor | None:
         if self._dtype is None:
-            self._start(msg)
+            self._start(msg, expect)
         else:
             self._check_continuation(msg)
         assert self._dtype is not None
@@ -223,13 +239,15 @@ class Reassembler:
         self._reset()
         return _tensor_from(buf, dtype, shape)
 
-    def _start(self, msg: tensor_pb2.TensorChunk) -> None:
+    def _start(self, msg: tensor_pb2.TensorChunk, expect: Expect | None) -> None:
         dtype, shape, nbytes = _validated_nbytes(msg.dtype, msg.shape, limits=self._limits, field="tensor_chunk")
         if msg.total_bytes != nbytes:
             raise FrameError(
                 f"tensor_chunk.total_bytes = {msg.total_bytes}: shape {list(shape)} of"
                 f" {tensor_pb2.DType.Name(msg.dtype)} needs {nbytes}"
             )
+        if expect is not None:
+            expect(dtype, shape)
         self._dtype, self._shape, self._total = dtype, shape, nbytes
 
     def _check_continuation(self, msg: tensor_pb2.TensorChunk) -> None:

@@ -3,13 +3,18 @@
 Owns the Step stream's framing: a step is a header frame, carrying the step's hidden states
 whole when they fit in one message, else followed by `hidden_chunk` frames until the tensor is
 complete (the first stage takes no hidden states: its header is the whole step). Owns checking
-a header against this stage (model id, number of sequences, unique sequence ids, a route
-exactly when this stage is not the last) and turning its sequences into `SequenceStep`s.
+a header against this stage and turning its sequences into `SequenceStep`s: first the length of
+every repeated field and string against `StepRules` (O(1) each, nothing built yet: sequences,
+positions summed over them, token ids, history, route, chain, released ids, trace carriers, ids),
+then this stage's model id, unique sequence ids, and a route exactly when this stage is not the
+last. The hidden states' declared dtype and shape are checked at their first chunk: a floating
+dtype, and [the step's tokens, hidden_size], so that no more than the step's bytes are kept.
 
 A malformed step is rejected with its error and the stream goes on: a new header before the
-hidden states were complete, a chunk with no header before it, a chunk that does not decode,
-hidden states that are not floating point, a header carrying only part of its tensor, a stream
-ending mid-step. The chunks of a step already rejected are skipped without another answer.
+hidden states were complete, a chunk with no header before it, a chunk that does not decode or
+is not the step's, a header carrying only part of its tensor, a stream ending mid-step. The
+chunks of a step already rejected are skipped without another answer. Errors quote at most a
+short prefix of what the caller sent.
 
 Knows nothing of gRPC, of the engine or of where a step goes next; tensor bytes are the codec's.
 """
@@ -22,10 +27,11 @@ from dataclasses import dataclass, field
 import torch
 
 from layerline.protos.v1 import stage_pb2, tensor_pb2
+from layerline.shared.errors import OverLimit
 from layerline.shared.model_config import LayerRange
 from layerline.shared.wire import sampling_from_wire
 
-from .codec import CodecLimits, FrameError, Reassembler
+from .codec import CodecLimits, Expect, FrameError, Reassembler, dtype_to_wire
 from .engine import SequenceStep, StepInputError
 from .step_telemetry import StepClock, StreamTelemetry
 
@@ -38,7 +44,18 @@ class StepRules:
     layers: LayerRange  # this stage's layers, named in errors
     is_first: bool  # the first stage takes token ids, so its header is the whole step
     is_last: bool  # the last stage samples, and its steps carry no route
-    max_sequences: int  # sequences in one step
+    max_sequences: int  # sequences in one step, and ids in its release_sequence_ids
+    hidden_size: int  # a step's hidden states are [its tokens, hidden_size]
+    max_step_tokens: int = 8192  # positions summed over a step's sequences (the engine's limit)
+    max_history: int = 8192  # history_token_ids of one sequence: at most the model's context
+    max_route_hops: int = 64  # addresses in a step's route, and in its chain
+    max_id_bytes: int = 128  # UTF-8 bytes of model_id, a sequence_id, a prefix_from, a released id, reply.subscriber
+    max_trace_entries: int = 8  # entries of one sequence's trace_context
+    max_trace_bytes: int = 512  # UTF-8 bytes of a trace_context key or value (W3C tracestate: up to 512)
+
+
+class StepLimitError(StepInputError, OverLimit):
+    """A step's header is past a StepRules bound (a list too long, a string too large)."""
 
 
 @dataclass
@@ -76,6 +93,7 @@ class StepAssembler:
         self.telemetry = telemetry
         self._reassembler = Reassembler(limits=codec)
         self._current: ReceivedStep | None = None  # a step whose hidden states are still arriving
+        self._expect: Expect | None = None  # the check of the current step's hidden states
         self._failed_id: int | None = None  # a rejected step whose remaining chunks are skipped
 
     def push(self, frame: stage_pb2.StepFrame) -> Pushed:
@@ -120,10 +138,12 @@ class StepAssembler:
                 header_bytes=header.ByteSize,
             ),
         )
+        tokens = sum(s.num_tokens for s in seqs)
         if header.HasField("hidden"):  # the whole tensor, in the header
             started = time.perf_counter()
             try:
-                step.hidden = _hidden_states(self._reassembler, header.hidden, whole=True)
+                expect = _hidden_shape("header.hidden", tokens, self.rules.hidden_size)
+                step.hidden = _hidden_states(self._reassembler, header.hidden, whole=True, expect=expect)
             except FrameError as err:
                 pushed.rejected.append(Rejected(header.step_id, err))
                 self._failed_id = header.step_id
@@ -133,6 +153,7 @@ class StepAssembler:
             pushed.steps.append(step)
         else:
             self._current = step
+            self._expect = _hidden_shape("hidden_chunk", tokens, self.rules.hidden_size)
 
     def _chunk(self, frame: stage_pb2.StepFrame, pushed: Pushed) -> None:
         step = self._current
@@ -144,7 +165,7 @@ class StepAssembler:
             return
         started = time.perf_counter()
         try:
-            tensor = _hidden_states(self._reassembler, frame.hidden_chunk, whole=False)
+            tensor = _hidden_states(self._reassembler, frame.hidden_chunk, whole=False, expect=self._expect)
         except FrameError as err:
             pushed.rejected.append(Rejected(step.header.step_id, err))
             self._failed_id, self._current = step.header.step_id, None
@@ -158,21 +179,75 @@ class StepAssembler:
 
 
 def _decode_header(header: stage_pb2.StepHeader, rules: StepRules) -> list[SequenceStep]:
-    if header.model_id and header.model_id != rules.model_id:
-        raise StepInputError(f"step model_id {header.model_id!r} differs from this stage's {rules.model_id!r}")
-    if len(header.sequences) > rules.max_sequences:
-        raise StepInputError(
-            f"step carries {len(header.sequences)} sequences, above the limit of {rules.max_sequences}"
-        )
-    ids = [s.sequence_id for s in header.sequences]
-    if len(set(ids)) < len(ids):
-        twice = next(i for i in ids if ids.count(i) > 1)
-        raise StepInputError(f"sequence {twice!r} appears twice in one step")
+    _check_lengths(header, rules)
+    if header.model_id != rules.model_id:
+        if not header.model_id:
+            raise StepInputError(
+                f"model_id is empty: a step names the model it was routed for (this stage serves {rules.model_id!r})"
+            )
+        raise StepInputError(f"model_id {_quoted(header.model_id)} differs from this stage's {rules.model_id!r}")
+    seen: set[str] = set()
+    for s in header.sequences:
+        if s.sequence_id in seen:
+            raise StepInputError(f"sequence {s.sequence_id!r} appears twice in one step")
+        seen.add(s.sequence_id)
     if rules.is_last and header.route:
         raise StepInputError("route must be empty at the last stage")
     if not rules.is_last and not header.route:
         raise StepInputError(f"stage {rules.layers} is not the last: route must name the next hop")
+    if rules.is_first and header.HasField("hidden"):
+        raise StepInputError("header.hidden is set: the first stage takes token ids, not hidden states")
     return [_sequence_step(s, last=rules.is_last) for s in header.sequences]
+
+
+def _check_lengths(header: stage_pb2.StepHeader, rules: StepRules) -> None:
+    """Every repeated field and string of the header within its bound, before anything is built
+    from them: `len` of a repeated field is O(1), and the loop runs over at most max_sequences."""
+    _at_most("sequences", len(header.sequences), rules.max_sequences, "max_sequences")
+    _at_most("route", len(header.route), rules.max_route_hops, "max_route_hops")
+    _at_most("chain", len(header.chain), rules.max_route_hops, "max_route_hops")
+    _at_most("release_sequence_ids", len(header.release_sequence_ids), rules.max_sequences, "max_sequences")
+    _short("model_id", header.model_id, rules.max_id_bytes, "max_id_bytes")
+    _short("reply.subscriber", header.reply.subscriber, rules.max_id_bytes, "max_id_bytes")
+    for i, sid in enumerate(header.release_sequence_ids):
+        _short(f"release_sequence_ids[{i}]", sid, rules.max_id_bytes, "max_id_bytes")
+    tokens = 0
+    for i, s in enumerate(header.sequences):
+        name = f"sequences[{i}]"
+        positions = len(s.positions)
+        tokens += positions
+        if tokens > rules.max_step_tokens:
+            raise StepLimitError(
+                f"{name}.positions brings the step to {tokens} positions: at most max_step_tokens = "
+                f"{rules.max_step_tokens}"
+            )
+        if len(s.token_ids) > positions:
+            raise StepLimitError(
+                f"{name}.token_ids holds {len(s.token_ids)} ids for {positions} positions: at most one per position"
+            )
+        _at_most(f"{name}.history_token_ids", len(s.history_token_ids), rules.max_history, "max_history", what="ids")
+        _short(f"{name}.sequence_id", s.sequence_id, rules.max_id_bytes, "max_id_bytes")
+        _short(f"{name}.prefix_from", s.prefix_from, rules.max_id_bytes, "max_id_bytes")
+        _at_most(f"{name}.trace_context", len(s.trace_context), rules.max_trace_entries, "max_trace_entries")
+        for key, value in s.trace_context.items():
+            _short(f"{name}.trace_context key", key, rules.max_trace_bytes, "max_trace_bytes")
+            _short(f"{name}.trace_context[{_quoted(key)}]", value, rules.max_trace_bytes, "max_trace_bytes")
+
+
+def _at_most(name: str, count: int, bound: int, rule: str, *, what: str = "entries") -> None:
+    if count > bound:
+        raise StepLimitError(f"{name} holds {count} {what}: at most {rule} = {bound}")
+
+
+def _short(name: str, text: str, bound: int, rule: str) -> None:
+    """At most `bound` UTF-8 bytes (a str of n characters has n to 4n of them: short ones are not encoded)."""
+    if len(text) * 4 > bound and (size := len(text.encode())) > bound:
+        raise StepLimitError(f"{name} is {size} bytes: at most {rule} = {bound}")
+
+
+def _quoted(text: str, keep: int = 64) -> str:
+    """`text` for an error message: its repr, cut to `keep` characters."""
+    return repr(text) if len(text) <= keep else repr(text[:keep]) + "..."
 
 
 def _sequence_step(msg: stage_pb2.SequenceInput, *, last: bool) -> SequenceStep:
@@ -182,22 +257,40 @@ def _sequence_step(msg: stage_pb2.SequenceInput, *, last: bool) -> SequenceStep:
         positions=tuple(msg.positions),
         token_ids=tuple(msg.token_ids),
         sampling=sampling,
-        history=tuple(msg.history_token_ids),
+        history=tuple(msg.history_token_ids) if sampling is not None else (),  # only sampling reads it
         prefix_from=msg.prefix_from,
     )
 
 
-def _hidden_states(reassembler: Reassembler, piece: tensor_pb2.TensorChunk, *, whole: bool) -> torch.Tensor | None:
+def _hidden_shape(name: str, tokens: int, hidden_size: int) -> Expect:
+    """The check of a step's hidden states at their first chunk: floating, [tokens, hidden_size]."""
+
+    def expect(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        if not dtype.is_floating_point:
+            raise FrameError(
+                f"{name}.dtype is {tensor_pb2.DType.Name(dtype_to_wire(dtype))}: hidden states need a floating"
+                " dtype (FLOAT32, BFLOAT16 or FLOAT16)"
+            )
+        if shape != (tokens, hidden_size):
+            raise FrameError(
+                f"{name}.shape = {list(shape)}: the step's {tokens} positions need [{tokens}, {hidden_size}]"
+                " (tokens x hidden_size)"
+            )
+
+    return expect
+
+
+def _hidden_states(
+    reassembler: Reassembler, piece: tensor_pb2.TensorChunk, *, whole: bool, expect: Expect | None
+) -> torch.Tensor | None:
     """Add one chunk of a step's hidden states; the tensor once complete. `whole`: it must be."""
-    tensor = reassembler.add(piece)
+    tensor = reassembler.add(piece, expect=expect)
     if tensor is None and whole:
         reassembler.reset()
         raise FrameError(
             f"header.hidden holds {len(piece.data)} of the tensor's {piece.total_bytes} bytes: "
             "a header carries its hidden states whole, or sends them as hidden_chunk frames"
         )
-    if tensor is not None and not tensor.is_floating_point():
-        raise FrameError(f"hidden states have dtype {tensor.dtype}; a floating dtype is required")
     return tensor
 
 

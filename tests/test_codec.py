@@ -180,6 +180,47 @@ def test_overflowing_shape_is_exact() -> None:
         codec.decode(msg, limits=CodecLimits(max_tensor_bytes=1 << 200, max_dims=8))
 
 
+@pytest.mark.parametrize(
+    "shape",
+    [[1 << 62, 1 << 62, 0], [0, 1 << 40, 1 << 40], [1 << 31, 1 << 31, 4, 0], [1 << 21, 0]],
+    ids=["2**62 x 2**62 x 0", "0 x 2**40 x 2**40", "2**31 x 2**31 x 4 x 0", "2**21 x 0"],
+)
+def test_empty_tensor_whose_other_dims_do_not_fit_is_refused(shape: list[int]) -> None:
+    """0 elements and 0 bytes, but dims torch cannot build (or a real tensor could not have): refused."""
+    rule = r"\.shape \[.*\] of FLOAT32 holds no elements, but its nonzero dims span \d+ bytes: over max_tensor_bytes"
+    with pytest.raises(FrameLimitError, match="tensor" + rule):
+        codec.decode(_tensor(tensor_pb2.FLOAT32, shape, b""), limits=LIMITS)
+    r = Reassembler(limits=LIMITS)
+    with pytest.raises(FrameLimitError, match="tensor_chunk" + rule):
+        r.add(tensor_pb2.TensorChunk(dtype=tensor_pb2.FLOAT32, shape=shape, total_bytes=0))
+    assert not r.in_progress
+    if shape[0] == 1 << 62:  # a limit past what torch can index does not let it through either
+        with pytest.raises(FrameLimitError, match="holds no elements"):
+            codec.decode(_tensor(tensor_pb2.FLOAT32, shape, b""), limits=CodecLimits(max_tensor_bytes=1 << 200))
+    # An empty tensor whose other dims fit is still a tensor, as the codec sends them.
+    t = torch.empty([0, LIMITS.max_tensor_bytes // 4], dtype=torch.float32)
+    _assert_same(codec.decode(codec.encode(t), limits=LIMITS), t)
+
+
+def test_reassembler_checks_the_callers_expectation_before_keeping_anything() -> None:
+    seen: list[tuple[torch.dtype, tuple[int, ...]]] = []
+
+    def expect(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        seen.append((dtype, shape))
+        if shape != (4,):
+            raise FrameError(f"tensor_chunk.shape = {list(shape)}: expected [4]")
+
+    r = Reassembler(limits=LIMITS)
+    with pytest.raises(FrameError, match=r"shape = \[8\]: expected \[4\]"):
+        r.add(_first(total=32, shape=(8,)), expect=expect)  # only a first part of its bytes came
+    assert not r.in_progress  # nothing was kept
+    with pytest.raises(FrameError, match="unknown dtype"):  # the codec's own rules come first
+        r.add(tensor_pb2.TensorChunk(dtype=99, shape=[4], total_bytes=16), expect=expect)  # type: ignore[arg-type]
+    assert r.add(_first(), expect=expect) is None
+    assert r.add(tensor_pb2.TensorChunk(offset=8, data=bytes(8)), expect=expect) is not None
+    assert seen == [(torch.float32, (8,)), (torch.float32, (4,))]  # called once per tensor, at its first chunk
+
+
 # --- malformed chunk sequences -----------------------------------------------------------------
 
 

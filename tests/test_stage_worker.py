@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import grpc
 import pytest
@@ -30,6 +31,21 @@ PROMPTS = {
     "s3": [1, 150, 2, 60, 61, 62, 63, 64, 65, 66, 67],
     "s4": [9],
 }
+
+
+class ModelStream(StepStream):
+    """A Step stream whose headers name the stage's model: a stage refuses a header naming none."""
+
+    def __init__(self, stage: StageProcess) -> None:
+        super().__init__(stage.channel)
+        self.model_id = stage.info().model_id
+
+    def send(self, frames: Iterable[stage_pb2.StepFrame]) -> None:
+        frames = list(frames)
+        for frame in frames:
+            if frame.HasField("header") and not frame.header.model_id:
+                frame.header.model_id = self.model_id
+        super().send(frames)
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +101,7 @@ def test_two_stage_chain_matches_greedy_oracle_with_mixed_batches(chain, oracle)
     """4 prompts of different lengths: chunked prefills mixed with decodes, one stream."""
     first, last = chain
     before = [stage.info() for stage in chain]
-    stream = StepStream(first.channel)
+    stream = ModelStream(first)
     got = {s: [] for s in PROMPTS}
     fed = {s: 0 for s in PROMPTS}  # prompt tokens sent so far
     steps = 0
@@ -136,7 +152,7 @@ def test_releases_ride_a_step_down_the_whole_route_before_its_work(chain, oracle
     """The coordinator's evictions from its prefix cache travel in the next step's header."""
     first, last = chain
     free = [stage.info().kv_blocks_free for stage in chain]
-    stream = StepStream(first.channel)
+    stream = ModelStream(first)
     try:
         kept = stream.step([seq_input("kept", range(len(PROMPTS["s2"])), PROMPTS["s2"])], route=[last.address])
         held = [stage.info().kv_blocks_free for stage in chain]
@@ -162,7 +178,7 @@ def test_hidden_states_larger_than_a_message_arrive_in_chunks(chain, ckpt, oracl
     hidden = LocalPipeline([first_half]).step({"c": prompt}, all_logits=True)  # [24, 48]
     nbytes = hidden.numel() * 4
     assert nbytes > MAX_MESSAGE  # one message could not carry it
-    stream = StepStream(last.channel)
+    stream = ModelStream(last)
     try:
         result = stream.step([seq_input("chunked", range(len(prompt)))], hidden=hidden, chunk_bytes=1000)
     finally:
@@ -179,7 +195,7 @@ def test_hidden_states_in_the_header_are_one_message_and_must_be_whole(chain, ck
     hidden = LocalPipeline([load_stage(ckpt, LayerRange(0, 2))]).step({"h": prompt[:10]}, all_logits=True)
     (whole,) = chunk(hidden, hidden.numel() * 4)  # 10 x 48 float32: 1920 bytes, under one message
     header = stage_pb2.StepHeader(step_id=5, sequences=[seq_input("h", range(10))], hidden=whole)
-    stream = StepStream(last.channel)
+    stream = ModelStream(last)
     try:
         stream.send([stage_pb2.StepFrame(header=header)])
         whole_model = LocalPipeline([load_stage(ckpt, LayerRange(0, 4))])
@@ -192,7 +208,7 @@ def test_hidden_states_in_the_header_are_one_message_and_must_be_whole(chain, ck
         assert f"header.hidden holds 256 of the tensor's {hidden.numel() * 4} bytes" in result.error.message
     finally:
         stream.close()
-    stream = StepStream(first.channel)
+    stream = ModelStream(first)
     try:  # the first stage embeds token ids: hidden states are refused there
         header = stage_pb2.StepHeader(
             step_id=7,
@@ -225,9 +241,9 @@ MALFORMED = {  # name -> (chunk fields, status, words of the message)
     ),
     "unknown dtype": (dict(dtype=99, shape=[2, HIDDEN], total_bytes=384, data=b"\0" * 384), INVALID, "unknown dtype"),
     "negative dims": (dict(dtype=tensor_pb2.FLOAT32, shape=[-2, HIDDEN], total_bytes=0), INVALID, "must be >= 0"),
-    "2**40 elements, tiny payload": (  # well formed, past a limit: RESOURCE_EXHAUSTED
+    "2**40 elements, tiny payload": (  # well formed, past a limit: it can never pass as sent
         dict(dtype=tensor_pb2.FLOAT32, shape=[2**20, 2**20], total_bytes=4 * 2**40, data=b"\0" * 8),
-        EXHAUSTED,
+        INVALID,
         "max_tensor_bytes",
     ),
     "integer hidden states": (
@@ -238,7 +254,7 @@ MALFORMED = {  # name -> (chunk fields, status, words of the message)
     "shape disagrees with positions": (
         dict(dtype=tensor_pb2.FLOAT32, shape=[3, HIDDEN], total_bytes=576, data=b"\0" * 576),
         INVALID,
-        "hidden states have shape (3, 48)",
+        "hidden_chunk.shape = [3, 48]: the step's 2 positions need [2, 48]",
     ),
 }
 
@@ -246,7 +262,7 @@ MALFORMED = {  # name -> (chunk fields, status, words of the message)
 def test_malformed_frames_get_their_status_and_the_stage_keeps_serving(chain, ckpt, oracle):
     first, last = chain
     rss_before = last.rss_kib()
-    stream = StepStream(last.channel)
+    stream = ModelStream(last)
     try:
         for name, (fields, code, message) in MALFORMED.items():
             stream.send(_frame(**fields))
@@ -257,7 +273,7 @@ def test_malformed_frames_get_their_status_and_the_stage_keeps_serving(chain, ck
         stream.close()
     assert last.rss_kib() - rss_before < 64 * 1024  # no allocation for the claimed sizes
 
-    stream = StepStream(first.channel)
+    stream = ModelStream(first)
     try:
         stream.step([seq_input("ok", range(5), PROMPTS["s2"])], route=[last.address])
         bad = stream.step(
@@ -294,6 +310,49 @@ def test_malformed_frames_get_their_status_and_the_stage_keeps_serving(chain, ck
         stage_pb2_grpc.StageWorkerStub(stage.channel).Release(stage_pb2.ReleaseRequest(sequence_ids=["ok"]))
 
 
+def test_hostile_steps_are_refused_one_by_one_and_the_stream_goes_on(chain, ckpt):
+    """Each hostile step is answered INVALID_ARGUMENT on its own; the same stream then serves a step."""
+    _, last = chain
+    model = last.info().model_id
+    hidden = LocalPipeline([load_stage(ckpt, LayerRange(0, 2))]).step({"h": PROMPTS["s2"]}, all_logits=True)
+
+    def step(step_id, positions, *chunks, history=(), **fields):
+        fields.setdefault("model_id", model)
+        seq = seq_input(f"hostile{step_id}", positions)
+        seq.history_token_ids.extend(history)
+        head = stage_pb2.StepHeader(step_id=step_id, sequences=[seq], **fields)
+        return [stage_pb2.StepFrame(header=head), *(stage_pb2.StepFrame(hidden_chunk=c) for c in chunks)]
+
+    f32 = tensor_pb2.FLOAT32
+    frames = [
+        # 0 elements, 0 bytes, and dims torch cannot build: once the stream's reader died on it.
+        *step(1, [0, 1], tensor_pb2.TensorChunk(dtype=f32, shape=[2**62, 2**62, 0], total_bytes=0)),
+        # A first chunk claiming 3000 rows for a step of 2: refused before more of it comes.
+        *step(
+            2,
+            [0, 1],
+            tensor_pb2.TensorChunk(dtype=f32, shape=[3000, HIDDEN], total_bytes=3000 * HIDDEN * 4, data=bytes(1024)),
+        ),
+        *step(3, [0, 1], model_id=""),  # no model id
+        *step(4, [0], history=range(300)),  # a history past the model's context (256)
+        *step(5, [0], route=[last.address] * 65),  # a route of 65 hops
+        *step(6, range(len(PROMPTS["s2"])), *chunk(hidden, 1000)),  # a good step, on the same stream
+    ]
+    results = list(stage_pb2_grpc.StageWorkerStub(last.channel).Step(iter(frames), timeout=60))
+    got = {r.step_id: (r.error.code, r.error.message) for r in results}
+    assert sorted(got) == [1, 2, 3, 4, 5, 6], got
+    assert got[1][0] == INVALID and "shape [4611686018427387904, 4611686018427387904, 0]" in got[1][1]
+    assert got[2] == (
+        INVALID,
+        "hidden_chunk.shape = [3000, 48]: the step's 2 positions need [2, 48] (tokens x hidden_size)",
+    )
+    assert got[3][0] == INVALID and "model_id is empty" in got[3][1]
+    assert got[4] == (INVALID, "sequences[0].history_token_ids holds 300 ids: at most max_history = 256")
+    assert got[5] == (INVALID, "route holds 65 entries: at most max_route_hops = 64")
+    assert got[6][0] == 0 and next(r for r in results if r.step_id == 6).sequences[0].HasField("sampled_token_id")
+    stage_pb2_grpc.StageWorkerStub(last.channel).Release(stage_pb2.ReleaseRequest(sequence_ids=["hostile6"]))
+
+
 def test_last_stage_answers_a_subscriber_directly_and_the_chain_with_an_acknowledgement(chain, oracle):
     """A step naming a Results stream is answered there; only failures come back along the chain."""
     first, last = chain
@@ -314,7 +373,7 @@ def test_last_stage_answers_a_subscriber_directly_and_the_chain_with_an_acknowle
             )
         ]
 
-    stream = StepStream(first.channel)
+    stream = ModelStream(first)
     try:
         stream.send(header(5, [seq_input("d1", range(len(prompt)), prompt)], 900))
         direct = next(subscription)
@@ -333,7 +392,7 @@ def test_last_stage_answers_a_subscriber_directly_and_the_chain_with_an_acknowle
         stream.close()
     # The last stage itself answers its upstream with an acknowledgement, which a middle stage
     # would pass up; without a subscriber of that name, with the result.
-    stream = StepStream(last.channel)
+    stream = ModelStream(last)
     hidden = torch.zeros(1, HIDDEN)
     try:
         frames = header(8, [seq_input("d4", [0])], 903, route=())
@@ -363,7 +422,7 @@ def test_kv_pool_exhaustion_fails_only_the_sequence_that_does_not_fit(ckpt, tmp_
     try:
         stage.wait_serving()
         assert stage.info().kv_blocks_total == 5
-        stream = StepStream(stage.channel)
+        stream = ModelStream(stage)
         result = stream.step(
             [
                 seq_input("fits", range(len(PROMPTS["s3"])), PROMPTS["s3"]),  # 1 block

@@ -156,12 +156,14 @@ class RegisterRequest(_message.Message):
     def __init__(self, worker: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("heartbeat_interval_ms", "known")
+    __slots__ = ("heartbeat_interval_ms", "known", "route_key")
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     KNOWN_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_KEY_FIELD_NUMBER: _ClassVar[int]
     heartbeat_interval_ms: int
     known: bool
-    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., known: _Optional[bool] = ...) -> None: ...
+    route_key: bytes
+    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., known: _Optional[bool] = ..., route_key: _Optional[bytes] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker",)
