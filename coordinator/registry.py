@@ -3,7 +3,9 @@
 Owns the table of registered workers (what each serves, its load, when it was last heard
 from) and the pure function that cuts them into chains: sequences of workers of one model id
 whose half-open layer ranges cover `[0, num_layers)` end to end. Each worker serves in at most
-one chain; uneven splits are fine.
+one chain; uneven splits are fine. The table is keyed by the address a worker claims, so it is
+bounded: at most `max_workers` entries (past it `RegistryFull`, once silent workers are expired)
+and every text a worker reports at most `MAX_FIELD_CHARS` characters (past it `InvalidInput`).
 
 Knows nothing of gRPC messages (the servicer converts them), of sequences or of the schedule.
 """
@@ -11,7 +13,12 @@ Knows nothing of gRPC messages (the servicer converts them), of sequences or of 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
+
+from layerline.shared.errors import InvalidInput, NoCapacity
+
+MAX_WORKERS = 1024  # registered addresses at most
+MAX_FIELD_CHARS = 256  # characters of any text a worker reports (its address, model id, host, ...)
 
 
 @dataclass(frozen=True)
@@ -47,22 +54,39 @@ class _Entry:
     probed_at: float = 0.0  # when that probe ran (monotonic seconds; 0: never)
 
 
-class Registry:
-    """Workers by address; a worker unheard of for `expiry` seconds is dropped."""
+class RegistryFull(NoCapacity):
+    """`max_workers` addresses are registered already; a new one may fit once another leaves."""
 
-    def __init__(self, *, num_layers: int, expiry: float = 10.0) -> None:
+
+class Registry:
+    """Workers by address, at most `max_workers`; a worker unheard of for `expiry` seconds is dropped."""
+
+    def __init__(self, *, num_layers: int, expiry: float = 10.0, max_workers: int = MAX_WORKERS) -> None:
         self.num_layers = num_layers
         self.expiry = expiry
+        self.max_workers = max_workers
         self._entries: dict[str, _Entry] = {}
         self.version = 0  # bumped on every change of membership
 
     def register(self, worker: Worker) -> bool:
-        """Add or refresh a worker; True if this very instance was registered already."""
+        """Add or refresh a worker; True if this very instance was registered already.
+
+        InvalidInput if a text it reports is too long, RegistryFull if its address is new and
+        `max_workers` others are registered, ValueError if it serves another layer count.
+        """
+        _check_fields(worker)
         if worker.num_layers != self.num_layers:
             raise ValueError(
                 f"worker {worker.address} serves a model of {worker.num_layers} layers; "
                 f"this coordinator's model has {self.num_layers}"
             )
+        if worker.address not in self._entries and len(self._entries) >= self.max_workers:
+            self.expire()
+            if len(self._entries) >= self.max_workers:
+                raise RegistryFull(
+                    f"{len(self._entries)} workers are registered (max_workers = {self.max_workers}); "
+                    f"{worker.address} may register once one leaves"
+                )
         old = self._entries.get(worker.address)
         entry = self._entries[worker.address] = _Entry(worker)
         if old is None or old.worker.instance_id != worker.instance_id:
@@ -74,7 +98,8 @@ class Registry:
         return True
 
     def heartbeat(self, worker: Worker) -> bool:
-        """Refresh a known worker instance; False when it must register again."""
+        """Refresh a known worker instance; False when it must register again (InvalidInput as `register`)."""
+        _check_fields(worker)
         entry = self._entries.get(worker.address)
         if entry is None or entry.worker.instance_id != worker.instance_id:
             return False
@@ -130,6 +155,14 @@ class Registry:
         if entry is not None and entry.worker.state != state:
             entry.worker = replace(entry.worker, state=state)
             self.version += 1
+
+
+def _check_fields(worker: Worker) -> None:
+    """InvalidInput naming the first text field of `worker` longer than MAX_FIELD_CHARS."""
+    for f in fields(worker):
+        value = getattr(worker, f.name)
+        if isinstance(value, str) and len(value) > MAX_FIELD_CHARS:
+            raise InvalidInput(f"worker.{f.name}: {len(value)} characters; at most {MAX_FIELD_CHARS}")
 
 
 def build_chains(

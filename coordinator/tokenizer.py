@@ -3,9 +3,12 @@
 This module owns reading the text half of a Hugging Face checkpoint directory (`tokenizer.json`,
 `tokenizer_config.json`, `chat_template.jinja`, `config.json`, `generation_config.json`),
 turning text into token ids and back with the `tokenizers` library, and rendering a chat with the
-checkpoint's Jinja template in jinja2's immutable sandbox. Its results equal what transformers'
+checkpoint's Jinja template (compiled by `chat_template`). Its results equal what transformers'
 `AutoTokenizer` gives for the same checkpoint (the tests hold it to that), without importing
-transformers or torch.
+transformers or torch. One difference, on purpose: the text of a special token inside a chat
+message's content stays text (transformers would read it as the token, and let a user forge a
+turn of the template's). Encoding releases the GIL, so it may run on a worker thread while an
+event loop goes on.
 
 It knows nothing of requests, sequences, streaming (`detokenizer` turns ids into text deltas) or
 the network.
@@ -13,21 +16,22 @@ the network.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
-from collections.abc import Callable, Mapping, Sequence
+import re
+import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Final
 
 import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.parser
-import jinja2.utils
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Tokenizer
+from tokenizers import AddedToken, Encoding, Tokenizer
+
+from layerline.shared.errors import OverLimit
+
+from .chat_template import ChatTemplateError, compile_template
 
 # The names transformers gives the special tokens; the chat template sees each one that is set.
 SPECIAL_TOKEN_NAMES: Final = (
@@ -45,15 +49,13 @@ class TextModelError(ValueError):
     """A checkpoint's tokenizer files are missing or malformed; the message names the file."""
 
 
-class ChatTemplateError(ValueError):
-    """A chat cannot be rendered: the checkpoint has no chat template, or the template rejected it."""
-
-
 @dataclass(frozen=True, eq=False)
 class TextModel:
     """The text side of one checkpoint. Build it with `TextModel.from_checkpoint(directory)`."""
 
     tokenizer: Tokenizer  # from tokenizer.json, plus any named special token it lacked
+    text_tokenizer: Tokenizer  # the same, reading the text of special tokens as plain text
+    special_text: re.Pattern[str] | None  # finds the text of any special token; None if there is none
     special_tokens: Mapping[str, str]  # "bos_token" -> "<s>", ...: the chat template's variables
     special_token_ids: frozenset[int]  # ids that `decode` skips
     eos_token_ids: frozenset[int]  # config + generation_config + the tokenizer's eos token
@@ -95,7 +97,9 @@ class TextModel:
                 [AddedToken(c, special=True, normalized=False) for c in dict.fromkeys(missing)]
             )
 
-        special_ids = frozenset(i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special)
+        specials = {i: token.content for i, token in tokenizer.get_added_tokens_decoder().items() if token.special}
+        text_tokenizer = Tokenizer.from_str(tokenizer.to_str())
+        text_tokenizer.encode_special_tokens = True
         eos_ids = set(_token_ids(model_config.get("eos_token_id"), "config.json: eos_token_id"))
         eos_ids.update(_token_ids(generation_config.get("eos_token_id"), "generation_config.json: eos_token_id"))
         if "eos_token" in special_tokens:
@@ -108,11 +112,15 @@ class TextModel:
         template_source = _chat_template_source(root, tokenizer_config)
         return cls(
             tokenizer=tokenizer,
+            text_tokenizer=text_tokenizer,
+            special_text=re.compile("|".join(map(re.escape, sorted(specials.values(), key=len, reverse=True))))
+            if specials
+            else None,
             special_tokens=special_tokens,
-            special_token_ids=special_ids,
+            special_token_ids=frozenset(specials),
             eos_token_ids=frozenset(eos_ids),
             bos_token_id=bos_token_id,
-            chat_template=None if template_source is None else _compile(template_source, root),
+            chat_template=None if template_source is None else compile_template(template_source, root),
             source=root,
         )
 
@@ -128,7 +136,7 @@ class TextModel:
         transformers' fast tokenizer decides it (it ignores `add_bos_token` in tokenizer_config
         when a tokenizer.json exists; `layerline model import-gguf` writes the post-processor).
         """
-        return self.tokenizer.encode(text, add_special_tokens=True).ids
+        return _encode(self.tokenizer, text, add_special_tokens=True).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of `ids`, special tokens skipped.
@@ -145,7 +153,10 @@ class TextModel:
                 f"the model at {self.source} has no chat template (neither chat_template.jinja nor "
                 "tokenizer_config.json's chat_template); send a plain prompt instead of messages"
             )
-        chat = _checked_messages(messages)
+        return self._render(_checked_messages(messages), add_generation_prompt=add_generation_prompt)
+
+    def _render(self, chat: list[dict[str, str]], *, add_generation_prompt: bool) -> str:
+        assert self.chat_template is not None, "render_chat checks that there is one"
         try:
             return self.chat_template.render(
                 messages=chat,
@@ -157,10 +168,103 @@ class TextModel:
         except jinja2.TemplateError as err:
             raise ChatTemplateError(f"messages: the model's chat template rejected them: {err}") from err
 
-    def encode_chat(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the rendered chat; the template wrote any BOS, so none is added again."""
-        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        *,
+        add_generation_prompt: bool = True,
+        max_bytes: int | None = None,
+    ) -> list[int]:
+        """Token ids of the rendered chat; the template wrote any BOS, so none is added again.
+
+        The text of a special token inside a message's content stays text: `<|im_end|>` written
+        by a user is the characters `<|im_end|>`, not the end of their turn. A chat whose contents
+        hold no such text encodes exactly as transformers' apply_chat_template. A role must hold
+        none, and a content that holds some must be written by the template as sent (ValueError
+        naming the message otherwise). OverLimit if the rendering is more than `max_bytes` bytes
+        of UTF-8.
+        """
+        chat = _checked_messages(messages)
+        for i, message in enumerate(chat):
+            found = self.special_text.search(message["role"]) if self.special_text else None
+            if found:
+                raise ValueError(f"messages[{i}].role: must not hold the special token {found.group()!r}")
+        text = self.render_chat(chat, add_generation_prompt=add_generation_prompt)
+        if max_bytes is not None and (size := len(text.encode())) > max_bytes:
+            raise OverLimit(f"messages: the chat template renders them as {size} bytes; at most {max_bytes} may be")
+        encoding = _encode(self.tokenizer, text, add_special_tokens=False)
+        holding = [i for i, m in enumerate(chat) if self.special_text and self.special_text.search(m["content"])]
+        if not holding:
+            return encoding.ids
+        spans = self._content_spans(chat, text, add_generation_prompt=add_generation_prompt, first=holding[0])
+        return self._contents_as_text(text, encoding, spans)
+
+    def _content_spans(
+        self, chat: list[dict[str, str]], text: str, *, add_generation_prompt: bool, first: int
+    ) -> list[tuple[int, int, int]]:
+        """Where the template wrote each content in `text`: (start, end, message index) per copy.
+
+        Found by rendering the chat again with a unique marker for each content: the spans are
+        exact if putting the contents back in place of the markers gives `text` again. If it does
+        not, the template changed a content or chose by it, and ValueError names message `first`.
+        """
+        nonce = uuid.uuid4().hex
+        marked = [{**m, "content": f"\ue000{nonce}:{i}\ue001"} for i, m in enumerate(chat)]
+        rendered = self._render(marked, add_generation_prompt=add_generation_prompt)
+        spans, pieces, at = [], [], 0
+        for k, part in enumerate(re.split(f"\ue000{nonce}:(\\d+)\ue001", rendered)):  # text, index, ..., text
+            piece = chat[int(part)]["content"] if k % 2 else part
+            if k % 2:
+                spans.append((at, at + len(piece), int(part)))
+            pieces.append(piece)
+            at += len(piece)
+        if "".join(pieces) != text:
+            raise ValueError(
+                f"messages[{first}].content: holds the text of a special token, which the model's chat "
+                "template does not write as sent; remove it"
+            )
+        return spans
+
+    def _contents_as_text(self, text: str, encoding: Encoding, spans: list[tuple[int, int, int]]) -> list[int]:
+        """`encoding` of `text`, but each run between two of the template's own special tokens that
+        holds a special token inside a content is encoded again, reading special tokens as text.
+
+        The run is encoded alone, as the tokenizer splits at special tokens anyway: with a
+        byte-level tokenizer its ids are those of the same text in place. (A pre-tokenizer that
+        marks the start of a text, as Metaspace's `prepend_scheme="first"`, marks the run's too.)
+        """
+        ids, offsets = encoding.ids, encoding.offsets
+        bounds = [-1]  # indices of the template's special tokens, and one before the first token
+        forged: set[int] = set()
+        for k, token_id in enumerate(ids):
+            if token_id not in self.special_token_ids:
+                continue
+            start, end = offsets[k]
+            inside = [(a, b, i) for a, b, i in spans if a < end and start < b]
+            if not inside:
+                bounds.append(k)
+            elif all(a <= start and end <= b for a, b, _ in inside):
+                forged.add(len(bounds) - 1)  # in the run after the last bound
+            else:
+                raise ValueError(f"messages[{inside[0][2]}].content: a special token of the template runs into it")
+        bounds.append(len(ids))
+        out: list[int] = []
+        for run, (left, right) in enumerate(itertools.pairwise(bounds)):
+            if run in forged:
+                start = offsets[left][1] if left >= 0 else 0
+                stop = offsets[right][0] if right < len(ids) else len(text)
+                out.extend(_encode(self.text_tokenizer, text[start:stop], add_special_tokens=False).ids)
+            else:
+                out.extend(ids[left + 1 : right])
+            if right < len(ids):
+                out.append(ids[right])
+        return out
+
+
+def _encode(tokenizer: Tokenizer, text: str, *, add_special_tokens: bool) -> Encoding:
+    """`tokenizer.encode(text)`, through `encode_batch`: it releases the GIL (`encode` does not)."""
+    (encoding,) = tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+    return encoding
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -238,89 +342,3 @@ def _checked_messages(messages: Sequence[Mapping[str, str]]) -> list[dict[str, s
             raise ValueError(f"messages[{i}].role: must not be empty")
         chat.append(dict(message))
     return chat
-
-
-# The template environment, as transformers builds it (utils/chat_template_utils.py), so that a
-# template renders the same text: same whitespace control, filters, globals and extensions.
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(
-    value: object,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    """transformers' tojson: no HTML escaping, unicode kept."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(format: str) -> str:
-    return datetime.now().strftime(format)
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    """jinja's `namespace()`, refusing underscore-prefixed attributes (they reach interpreter internals)."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:  # no named self: jinja's own signature trick
-        self, rest = args[0], args[1:]
-        attrs = dict(*rest, **kwargs)
-        for name in attrs:
-            _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check_name(name: object) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"chat templates cannot set {name!r} on a namespace")
-
-
-class _TemplateDict:
-    """The `dict` global, without the attributes of the `dict` type itself."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-        return dict.fromkeys(*args, **kwargs)
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; rendered as is."""
-
-    tags = {"generation"}  # noqa: RUF012 (jinja reads this class attribute)
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller: Callable[[], str]) -> str:
-        return caller()
-
-
-def _sandbox() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["dict"] = _TemplateDict()
-    env.globals["namespace"] = _TemplateNamespace
-    return env
-
-
-def _compile(source: str, root: Path) -> jinja2.Template:
-    try:
-        return _sandbox().from_string(source)
-    except jinja2.TemplateSyntaxError as err:
-        raise ChatTemplateError(f"the chat template of {root} does not parse: {err} (line {err.lineno})") from err

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from layerline.client import AsyncClient, Client, ResourceExhausted, Unavailable
+from layerline.client import AsyncClient, Client, InvalidArgument, ResourceExhausted, Unavailable
 from layerline.launcher import ClusterPlan, LocalCluster
 
 from .stage_client import free_port
@@ -16,14 +16,18 @@ pytestmark = [pytest.mark.real_model, pytest.mark.cluster]
 
 
 def test_a_burst_past_the_queue_bound_gets_resource_exhausted(real_model_dir, tmp_path, hf_greedy):
-    """2 generating + 2 queued are admitted; the other 6 of a burst of 10 are refused at once."""
+    """2 generating + 2 queued are admitted; the other 6 of a burst of 10 are refused at once.
+    The prompt and chat bounds given on the command line hold too."""
     plan = ClusterPlan(
         model=str(real_model_dir),
         stages=2,
         port=free_port(),
         log_dir=tmp_path,
         kv_memory="32M",
-        coordinator_args=("--max-active", "2", "--max-queued", "2"),
+        coordinator_args=(
+            *("--max-active", "2", "--max-queued", "2"),
+            *("--max-prompt-bytes", "1K", "--max-prompt-tokens", "12", "--max-chat-messages", "2"),
+        ),
     )
     cluster = LocalCluster(plan, real_model_dir)
     cluster.start()
@@ -36,6 +40,13 @@ def test_a_burst_past_the_queue_bound_gets_resource_exhausted(real_model_dir, tm
                 return await asyncio.gather(*calls, return_exceptions=True)
 
         outcomes = asyncio.run(burst())
+        with Client(cluster.address) as client:
+            with pytest.raises(InvalidArgument, match="prompt is longer than max_prompt_bytes = 1024 bytes"):
+                client.generate("x" * 1025, max_tokens=1)
+            with pytest.raises(InvalidArgument, match="prompt is 13 tokens; max_prompt_tokens = 12"):
+                client.generate(" ".join(["word"] * 13), max_tokens=1)
+            with pytest.raises(InvalidArgument, match="messages: 3 messages; max_chat_messages = 2"):
+                client.chat([{"role": "user", "content": "hi"}] * 3, max_tokens=1)
     finally:
         cluster.stop()
     done = [o for o in outcomes if not isinstance(o, BaseException)]

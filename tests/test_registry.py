@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
+
 import pytest
 
 from layerline.coordinator.registry import Registry, Worker, build_chains
+from layerline.shared.errors import InvalidInput, NoCapacity
 
 
 def w(address: str, start: int, end: int, *, model: str = "m1", instance: str = "i") -> Worker:
@@ -75,3 +79,35 @@ def test_a_worker_of_another_layer_count_is_refused():
                 address="a", instance_id="i", model_id="m", model_name="x", layer_start=0, layer_end=16, num_layers=32
             )
         )
+
+
+def test_the_registry_holds_at_most_max_workers_addresses():
+    reg = Registry(num_layers=30, max_workers=2)
+    reg.register(w("a", 0, 15))
+    reg.register(w("b", 15, 30))
+    with pytest.raises(NoCapacity, match="max_workers = 2"):
+        reg.register(w("c", 0, 30))
+    assert [x.address for x in reg.workers()] == ["a", "b"]
+    assert reg.register(w("a", 0, 15, instance="restarted")) is False  # a known address may come back
+    reg.remove("b")
+    reg.register(w("c", 0, 30))
+    assert [x.address for x in reg.workers()] == ["a", "c"]
+
+
+def test_a_full_registry_makes_room_by_expiring_silent_workers():
+    reg = Registry(num_layers=30, expiry=0.05, max_workers=1)
+    reg.register(w("a", 0, 30))
+    time.sleep(0.1)
+    reg.register(w("b", 0, 30))
+    assert [x.address for x in reg.workers()] == ["b"]
+
+
+@pytest.mark.parametrize("field", ["address", "instance_id", "model_id", "model_name", "host", "device", "dtype"])
+def test_a_worker_field_past_its_length_bound_is_refused(field):
+    reg = Registry(num_layers=30)
+    with pytest.raises(InvalidInput, match=rf"worker\.{field}: 257 characters; at most 256"):
+        reg.register(replace(w("a", 0, 30), **{field: "x" * 257}))
+    reg.register(w("a", 0, 30))
+    with pytest.raises(InvalidInput, match=rf"worker\.{field}"):
+        reg.heartbeat(replace(w("a", 0, 30), **{field: "x" * 257}))
+    assert reg.workers() == [w("a", 0, 30)]
