@@ -18,7 +18,9 @@ from .errors import (
     InvalidArgument,
     LayerlineError,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
+    Unauthenticated,
     Unavailable,
 )
 from .sync import Client
@@ -48,9 +50,11 @@ __all__ = [
     "LayerlineError",
     "ModelInfo",
     "NotFound",
+    "PermissionDenied",
     "RequestOptions",
     "ResourceExhausted",
     "TokenLogprobs",
+    "Unauthenticated",
     "Unavailable",
     "Usage",
     "WorkerLoad",

@@ -8,6 +8,7 @@ the requests and reads the answers. Create it inside the event loop that uses it
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, TypeVar
@@ -32,14 +33,23 @@ _StreamMethod = Callable[..., grpc.aio.UnaryStreamCall[wire.Request, coordinator
 
 
 class AsyncClient:
-    """A coordinator at `target` ("host:port"); `credentials` make the channel TLS.
+    """A coordinator at `target` ("host:port"); `token`, `ca_cert` and `credentials` as for `Client`.
 
     `stream` and `chat_stream` return async iterators; leaving one early cancels the call once
     the iterator is closed (`contextlib.aclosing` closes it at once).
     """
 
-    def __init__(self, target: str, *, credentials: grpc.ChannelCredentials | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        ca_cert: str | os.PathLike[str] | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         self.target = target
+        self._auth = wire.auth_metadata(token)  # sent with every call
+        credentials = wire.channel_credentials(ca_cert, credentials)
         if credentials is None:
             self._channel = grpc.aio.insecure_channel(target, options=channel_options())
         else:
@@ -116,7 +126,7 @@ class AsyncClient:
 
     def _chunks(self, method: _StreamMethod, request: wire.Request, timeout: float) -> AsyncIterator[Chunk]:
         """The stream's chunks; built eagerly so that the caller's trace context is the one sent."""
-        metadata = call_metadata()
+        metadata = call_metadata() + self._auth
         with_logprobs = request.sampling.HasField("logprobs")
 
         async def chunks() -> AsyncIterator[Chunk]:
@@ -132,7 +142,7 @@ class AsyncClient:
         return chunks()
 
     async def _unary(self, method: Callable[..., Awaitable[_Response]], request: object, timeout: float) -> _Response:
-        deadline, metadata = wire.check_timeout(timeout), call_metadata()
+        deadline, metadata = wire.check_timeout(timeout), call_metadata() + self._auth
         try:
             return await method(request, timeout=deadline, metadata=metadata)
         except grpc.RpcError as err:

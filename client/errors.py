@@ -61,6 +61,14 @@ class NotFound(LayerlineError):
     """The model (or health service) asked for is not known to the server."""
 
 
+class Unauthenticated(LayerlineError):
+    """The coordinator wants a bearer token (`Client(..., token=...)`), and this one is missing or wrong."""
+
+
+class PermissionDenied(LayerlineError):
+    """The token is valid, but not for this call (ClusterStatus needs an admin token)."""
+
+
 class Internal(LayerlineError):
     """The server failed, or broke the protocol."""
 
@@ -72,6 +80,8 @@ ERROR_OF: dict[grpc.StatusCode, type[LayerlineError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.INTERNAL: Internal,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
 }
 
 

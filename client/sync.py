@@ -8,6 +8,7 @@ limits: `wire` checks the options, builds the requests and reads the answers.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Protocol, TypeVar
@@ -41,10 +42,24 @@ _StreamMethod = Callable[..., _ResponseStream]
 
 
 class Client:
-    """A coordinator at `target` ("host:port"); `credentials` make the channel TLS."""
+    """A coordinator at `target` ("host:port").
 
-    def __init__(self, target: str, *, credentials: grpc.ChannelCredentials | None = None) -> None:
+    `token`: the bearer token sent with every call, when the coordinator requires one.
+    `ca_cert`: a PEM file of the CA that signed the coordinator's certificate; the channel is then
+    TLS (`credentials`, gRPC channel credentials, is the same for other setups). Neither: plaintext.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        ca_cert: str | os.PathLike[str] | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         self.target = target
+        self._auth = wire.auth_metadata(token)  # sent with every call
+        credentials = wire.channel_credentials(ca_cert, credentials)
         if credentials is None:
             self._channel = grpc.insecure_channel(target, options=channel_options())
         else:
@@ -119,7 +134,7 @@ class Client:
 
     def _chunks(self, method: _StreamMethod, request: wire.Request, timeout: float) -> Iterator[Chunk]:
         """The stream's chunks; built eagerly so that the caller's trace context is the one sent."""
-        metadata = call_metadata()
+        metadata = call_metadata() + self._auth
         with_logprobs = request.sampling.HasField("logprobs")
 
         def chunks() -> Iterator[Chunk]:
@@ -135,7 +150,7 @@ class Client:
         return chunks()
 
     def _unary(self, method: Callable[..., _Response], request: object, timeout: float) -> _Response:
-        deadline, metadata = wire.check_timeout(timeout), call_metadata()
+        deadline, metadata = wire.check_timeout(timeout), call_metadata() + self._auth
         try:
             return method(request, timeout=deadline, metadata=metadata)
         except grpc.RpcError as err:

@@ -12,7 +12,9 @@ threads: `sync` and `aio` make the calls.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Protocol, TypeAlias
 
 import grpc
@@ -271,3 +273,29 @@ def _enum_name(enum: _Enum, value: int) -> str:
         return enum.Name(value)
     except ValueError:  # a value newer than these generated classes
         return str(value)
+
+
+def channel_credentials(
+    ca_cert: str | os.PathLike[str] | None, credentials: grpc.ChannelCredentials | None
+) -> grpc.ChannelCredentials | None:
+    """TLS trusting the CA in the file `ca_cert`, or the `credentials` given, or None (plaintext)."""
+    if ca_cert is None:
+        return credentials
+    if credentials is not None:
+        raise ValueError("give ca_cert or credentials, not both")
+    try:
+        pem = Path(ca_cert).read_bytes()
+    except OSError as err:
+        raise ValueError(f"ca_cert {ca_cert}: {err.strerror}") from None
+    if b"-----BEGIN CERTIFICATE-----" not in pem:
+        raise ValueError(f"ca_cert {ca_cert}: not a PEM certificate")
+    return grpc.ssl_channel_credentials(root_certificates=pem)
+
+
+def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """The `authorization: Bearer TOKEN` entry every call carries (none without a token)."""
+    if token is None:
+        return ()
+    if not isinstance(token, str) or not token or not token.isprintable() or not token.isascii() or " " in token:
+        raise ValueError("token must be a non-empty string of printable ASCII without spaces")
+    return (("authorization", f"Bearer {token}"),)

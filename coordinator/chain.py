@@ -19,14 +19,17 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import uuid
+from dataclasses import dataclass
 
 import grpc
 from opentelemetry.trace import Tracer
 
 from layerline.protos.v1 import common_pb2, stage_pb2, stage_pb2_grpc
 from layerline.shared.errors import Code
-from layerline.shared.rpc import channel_options
+from layerline.shared.routes import route_tag
+from layerline.shared.rpc import aio_channel
 from layerline.shared.wire import sampling_to_wire
 
 from .scheduler import Outcome, PlannedStep, StepFailed
@@ -39,15 +42,30 @@ PROBE_TIMEOUT = 10.0
 STEP_TIMEOUT = 60.0  # a step unanswered this long counts as a failed chain (heartbeats notice sooner)
 
 
+@dataclass(frozen=True)
+class MemberLinks:
+    """How the coordinator reaches and commands its stages."""
+
+    route_key: bytes  # tags every route it issues (`layerline.shared.routes`); stages get it at Register
+    credentials: grpc.ChannelCredentials | None = None  # mutual TLS as the coordinator; None: plaintext
+
+
 class ChainClient:
     def __init__(
-        self, addresses: list[str], *, model_id: str, max_message_bytes: int, tracer: Tracer | None = None
+        self,
+        addresses: list[str],
+        *,
+        model_id: str,
+        max_message_bytes: int,
+        links: MemberLinks,
+        tracer: Tracer | None = None,
     ) -> None:
         self.addresses = addresses
         self.model_id = model_id
         self.tracer = tracer  # None: tracing is off, steps carry no trace context
+        self._route_tag = route_tag(links.route_key, model_id, addresses)
         self._channels = {
-            a: grpc.aio.insecure_channel(a, options=channel_options(max_message_bytes)) for a in addresses
+            a: aio_channel(a, credentials=links.credentials, max_message_bytes=max_message_bytes) for a in addresses
         }
         self._call: grpc.aio.StreamStreamCall | None = None
         self._pending: dict[int, asyncio.Future[stage_pb2.StepResult]] = {}
@@ -65,6 +83,8 @@ class ChainClient:
             route=self.addresses[1:],
             release_sequence_ids=step.release,
             alone=step.alone,
+            chain=self.addresses,
+            route_tag=self._route_tag,
         )
         for s in step.slices:
             seq = header.sequences.add(
@@ -216,18 +236,26 @@ def _unavailable(reason: str, address: str) -> stage_pb2.StepResult:
 
 
 class ProbeFailed(Exception):
-    """A worker did not pass its readiness probe."""
+    """A worker did not pass its readiness probe: it failed the call, or answered what it must not."""
 
 
-async def probe(address: str) -> float:
-    """Ask a worker to run a real one-token forward; its wall time in seconds, or ProbeFailed."""
-    async with grpc.aio.insecure_channel(address) as channel:
+async def probe(address: str, *, credentials: grpc.ChannelCredentials | None = None) -> float:
+    """Ask a worker to run a real one-token forward; its wall time in seconds, or ProbeFailed.
+
+    Only SERVING with a finite, non-negative time passes: an unknown state (a value this version
+    does not define) or a nonsensical time fails the probe like an error would.
+    """
+    async with aio_channel(address, credentials=credentials) as channel:
         try:
             reply = await stage_pb2_grpc.StageWorkerStub(channel).Info(
                 stage_pb2.InfoRequest(probe=True), timeout=PROBE_TIMEOUT
             )
         except grpc.aio.AioRpcError as err:
             raise ProbeFailed(f"{err.code().name}: {err.details()}") from None
-    if reply.worker.state != common_pb2.WORKER_STATE_SERVING:
-        raise ProbeFailed(f"it reports {common_pb2.WorkerState.Name(reply.worker.state)}")
+    state = reply.worker.state
+    if state != common_pb2.WORKER_STATE_SERVING:
+        known = state in common_pb2.WorkerState.values()
+        raise ProbeFailed(f"it reports {common_pb2.WorkerState.Name(state) if known else f'an unknown state {state}'}")
+    if not (math.isfinite(reply.probe_seconds) and reply.probe_seconds >= 0):
+        raise ProbeFailed(f"it reports a probe time of {reply.probe_seconds} seconds")
     return reply.probe_seconds

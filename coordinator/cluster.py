@@ -22,7 +22,7 @@ from opentelemetry.trace import Tracer
 
 from layerline.shared.errors import Code, Unreachable
 
-from .chain import ChainClient, ProbeFailed, probe
+from .chain import ChainClient, MemberLinks, ProbeFailed, probe
 from .registry import Registry, Worker, build_chains
 from .scheduler import ChainScheduler, Sequence, StepFailed
 from .settings import DEFAULT_PREFIX_CACHE
@@ -70,10 +70,12 @@ class Cluster:
         share_prefixes: bool = True,
         prefix_cache: float = DEFAULT_PREFIX_CACHE,
         depth: int | None = None,
+        links: MemberLinks,
         failover: FailoverPolicy = FailoverPolicy(),
         tracer: Tracer | None = None,
     ) -> None:
         self.registry = registry
+        self.links = links  # the route key and the credentials that reach the stages
         self.tracer = tracer  # the chains' step spans; None when tracing is off
         self.failover = failover
         self.failovers = 0  # sequences moved off a failed chain, since start
@@ -116,6 +118,7 @@ class Cluster:
             [w.address for w in workers],
             model_id=workers[0].model_id,
             max_message_bytes=self.max_message_bytes,
+            links=self.links,
             tracer=self.tracer,
         )
         holder: list[RunningChain] = []
@@ -227,17 +230,22 @@ class Cluster:
     async def probe_workers(self, *, every: float) -> None:
         """Run the readiness probe (a real one-token forward) on each worker that is due.
 
-        A worker joins routing only after its probe passes, and leaves it when a probe fails.
+        A worker joins routing only after its probe passes, and leaves it when a probe fails. Any
+        exception from one worker's probe is that worker failing it (logged, with the traceback
+        when it is not a `ProbeFailed`); the others' outcomes stand.
         """
         due = self.registry.due_for_probe(every=every)
-        results = await asyncio.gather(*(probe(w.address) for w in due), return_exceptions=True)
+        results = await asyncio.gather(
+            *(probe(w.address, credentials=self.links.credentials) for w in due), return_exceptions=True
+        )
         for worker, outcome in zip(due, results):
-            ready = not isinstance(outcome, BaseException)
             if isinstance(outcome, ProbeFailed):
                 log.warning("worker %s failed its readiness probe: %s", worker.address, outcome)
-            elif isinstance(outcome, BaseException):
+            elif isinstance(outcome, (Exception, asyncio.CancelledError)):
+                log.error("worker %s failed its readiness probe: %r", worker.address, outcome, exc_info=outcome)
+            elif isinstance(outcome, BaseException):  # KeyboardInterrupt, SystemExit: not the worker's doing
                 raise outcome
-            self.registry.probed(worker, ready=ready)
+            self.registry.probed(worker, ready=not isinstance(outcome, BaseException))
         if due:
             self.refresh()
 

@@ -13,17 +13,23 @@ import signal
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 
 from layerline.model_store import resolve_model
-from layerline.protos.v1 import coordinator_pb2_grpc
+from layerline.protos.v1 import coordinator_pb2
 from layerline.shared.model_config import ModelConfig
-from layerline.shared.rpc import listen, server_options
+from layerline.shared.routes import new_key
+from layerline.shared.rpc import listen_on, server_options
+from layerline.shared.services import add_servicer
 from layerline.shared.telemetry import Telemetry
+from layerline.shared.tls import member_files, server_credentials
 
+from .auth import TokenInterceptor, Tokens
+from .chain import MemberLinks
 from .cluster import Cluster
+from .members import RegistryServicer
 from .registry import Registry
-from .servicer import Admission, CoordinatorServicer, RegistryServicer
+from .servicer import Admission, CoordinatorServicer
 from .settings import CoordinatorSettings
 from .telemetry import CoordinatorTelemetry
 from .text import TextModel
@@ -37,6 +43,9 @@ async def serve(settings: CoordinatorSettings, *, stop: asyncio.Event | None = N
     text = TextModel.from_checkpoint(checkpoint)
     registry = Registry(num_layers=config.num_layers, expiry=settings.heartbeat_expiry)
     telemetry = Telemetry(settings.telemetry, service="layerline-coordinator")
+    tls = member_files(settings.tls)
+    links = MemberLinks(route_key=new_key(), credentials=tls.channel_credentials() if tls is not None else None)
+    tokens = Tokens.load(settings.api_tokens, settings.admin_tokens)
     cluster = Cluster(
         registry,
         max_message_bytes=settings.max_message_bytes,
@@ -44,15 +53,27 @@ async def serve(settings: CoordinatorSettings, *, stop: asyncio.Event | None = N
         share_prefixes=settings.share_prefixes,
         prefix_cache=settings.prefix_cache,
         depth=settings.depth,
+        links=links,
         tracer=telemetry.tracer,
     )
-    server = grpc.aio.server(options=server_options(settings.max_message_bytes))
+    # A client's request is a prompt or a chat: gRPC parses it before any check, so its port takes
+    # no more than room for the largest allowed (the members' messages stay at the shared limit).
+    client_message_bytes = min(settings.max_message_bytes, 2 * settings.max_prompt_bytes + (256 << 10))
+    server = grpc.aio.server(
+        options=server_options(client_message_bytes),
+        interceptors=[TokenInterceptor(tokens)],
+        maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
+    )
+    members = grpc.aio.server(options=server_options(), maximum_concurrent_rpcs=settings.max_concurrent_rpcs)
     admission = Admission(
         max_active=settings.max_active,
         max_queued=settings.max_queued,
         rate_limit=settings.rate_limit,
         default_max_tokens=settings.default_max_tokens,
         max_context=config.max_position_embeddings,
+        max_prompt_bytes=settings.max_prompt_bytes,
+        max_prompt_tokens=settings.max_prompt_tokens,
+        max_chat_messages=settings.max_chat_messages,
     )
     observed = CoordinatorTelemetry(telemetry, model_name=Path(checkpoint).name)
     servicer = CoordinatorServicer(
@@ -61,21 +82,35 @@ async def serve(settings: CoordinatorSettings, *, stop: asyncio.Event | None = N
     observed.watch(
         running=lambda: servicer.active, waiting=lambda: servicer.queued, failovers=lambda: cluster.failovers
     )
-    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
-    coordinator_pb2_grpc.add_RegistryServicer_to_server(
-        RegistryServicer(cluster, heartbeat_interval=settings.heartbeat_interval), server
+    add_servicer(server, servicer, coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"])
+    registry_servicer = RegistryServicer(
+        cluster, heartbeat_interval=settings.heartbeat_interval, route_key=links.route_key, tls=tls is not None
     )
+    add_servicer(members, registry_servicer, coordinator_pb2.DESCRIPTOR.services_by_name["Registry"])
     health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]  # not in grpc-stubs
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = listen(server, f"{settings.host}:{settings.port}")
+    for each in (server, members):
+        add_servicer(each, health_servicer, health_pb2.DESCRIPTOR.services_by_name["Health"])
+    client_credentials = server_credentials(tls.cert, tls.key) if tls is not None else None
+    port = listen_on(server, f"{settings.host}:{settings.port}", client_credentials)
+    cluster_port = listen_on(
+        members,
+        f"{settings.host}:{settings.cluster_port}",
+        tls.server_credentials(require_client_auth=True) if tls is not None else None,
+    )
     await server.start()
+    await members.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    guards = ["TLS"] * bool(tls) + ["bearer tokens"] * tokens.required
     log.info(
-        "coordinator for %s (%d layers) serving on %s:%d",
+        "coordinator for %s (%d layers) serving clients on %s:%d (%s), stage workers on %s:%d (%s)",
         Path(checkpoint).name,
         registry.num_layers,
         settings.host,
         port,
+        ", ".join(guards) or "open: plaintext, no token",
+        settings.host,
+        cluster_port,
+        "mutual TLS" if tls else "plaintext",
     )
     log.info("telemetry: %s", telemetry.describe())
     stop = stop or asyncio.Event()
@@ -90,24 +125,34 @@ async def serve(settings: CoordinatorSettings, *, stop: asyncio.Event | None = N
     log.info("stopping: no new requests; waiting up to %.0fs for %d in-flight", settings.grace_seconds, servicer.active)
     await health_servicer.enter_graceful_shutdown()
     await server.stop(settings.grace_seconds)
+    await members.stop(1.0)
     for task in maintenance:
         task.cancel()
     await cluster.close()
+    servicer.encoder.close()
     telemetry.shutdown()  # exports the spans still buffered
     log.info("stopped")
 
 
 async def _maintain(cluster: Cluster) -> None:
-    """Expire silent workers and rebuild chains; never waits on a worker."""
+    """Expire silent workers and rebuild chains; never waits on a worker. A failure is logged and
+    the loop goes on: a loop that died would leave the cluster without maintenance."""
     while True:
-        cluster.refresh()
+        try:
+            cluster.refresh()
+        except Exception:
+            log.exception("maintenance round failed")
         await asyncio.sleep(0.25)
 
 
 async def _probe(cluster: Cluster, *, every: float) -> None:
-    """Readiness probes, apart from `_maintain` so that a hung worker cannot delay it."""
+    """Readiness probes, apart from `_maintain` so that a hung worker cannot delay it; a failed
+    round is logged and the loop goes on."""
     while True:
-        await cluster.probe_workers(every=every)
+        try:
+            await cluster.probe_workers(every=every)
+        except Exception:
+            log.exception("probe round failed")
         await asyncio.sleep(0.25)
 
 

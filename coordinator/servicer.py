@@ -1,9 +1,13 @@
 """The coordinator's gRPC services: `Coordinator` for clients, `Registry` for stage workers.
 
 Owns decoding requests into plain values, checking them (every refusal names the field and the
-limit), admission (a rate limit with asyncio-throttle and a bounded queue in front of the
-generation slots; past the bound, RESOURCE_EXHAUSTED with a retry hint) and encoding the
-streamed answer. The work itself is the cluster's and the generation's.
+limit; `requests` holds the bounds of prompts and chats, and tokenizes them), admission (a rate
+limit with asyncio-throttle and a bounded queue in front of the generation slots; past the
+bound, RESOURCE_EXHAUSTED with a retry hint) and encoding the streamed answer. A request is
+checked in the order of what each check costs: the prompt's size and the chat's shape first,
+then the model, sampling and the queue bound, then the rate limit; only then is it tokenized,
+off the event loop, and its token count checked. The work itself is the cluster's and the
+generation's.
 
 Knows nothing of torch or tensors.
 """
@@ -13,37 +17,28 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import NoReturn
 
 import grpc
 from asyncio_throttle import Throttler
 
-from layerline.protos.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, tensor_pb2
-from layerline.shared.errors import InvalidInput, OverLimit, status_of
+from layerline.protos.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from layerline.shared.errors import InvalidInput, NoCapacity, status_of
 from layerline.shared.rpc import PUSHBACK_KEY, RETRY_AFTER_KEY, grpc_status
 from layerline.shared.sampling import SamplingParams
 from layerline.shared.wire import sampling_from_wire
 
 from .cluster import Cluster, NoChainError
 from .generation import Delta, Failed, Finished, Generation, Limits
-from .registry import Worker
+from .members import worker_info
+from .requests import Admission, PromptEncoder, check_chat, check_prompt
 from .telemetry import CoordinatorTelemetry, RequestTelemetry
 from .text import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, TextModel
 
 log = logging.getLogger(__name__)
 
 FINISH = {"stop": coordinator_pb2.FINISH_REASON_STOP, "length": coordinator_pb2.FINISH_REASON_LENGTH}
-
-
-@dataclass(frozen=True)
-class Admission:
-    max_active: int  # sequences generating at once, over all chains
-    max_queued: int  # requests waiting for a generation slot; past it RESOURCE_EXHAUSTED
-    rate_limit: float  # new requests admitted per second
-    default_max_tokens: int  # when a request does not say
-    max_context: int  # prompt plus generated tokens at most
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
@@ -63,49 +58,57 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.telemetry = telemetry
         self._slots = asyncio.Semaphore(admission.max_active)
         self._throttler = Throttler(rate_limit=max(1, int(admission.rate_limit)), period=1.0)
+        self.encoder = PromptEncoder(text, admission)
         self.active = 0
         self.queued = 0
 
     async def Generate(
         self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
-        if not request.prompt:
-            await _abort(context, InvalidInput("prompt must not be empty"))
-        ids = self.text.encode(request.prompt)
+        try:
+            check_prompt(request.prompt, self.admission)
+        except InvalidInput as err:
+            await _abort(context, err)
+        prompt = request.prompt
         async for response in self._generate(
-            ids, request.sampling, context, model=request.model, operation="text_completion"
+            lambda: self.encoder.prompt(prompt),
+            request.sampling,
+            context,
+            model=request.model,
+            operation="text_completion",
         ):
             yield response
 
     async def Chat(
         self, request: coordinator_pb2.ChatRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
-        if not request.messages:
-            await _abort(context, InvalidInput("messages must not be empty"))
         try:
-            ids = self.text.encode_chat([{"role": m.role, "content": m.content} for m in request.messages])
-        except ValueError as err:  # the chat template's refusals are the caller's to fix
-            await _abort(context, InvalidInput(str(err)))
-        async for response in self._generate(ids, request.sampling, context, model=request.model, operation="chat"):
+            chat = check_chat(request.messages, self.admission)
+        except InvalidInput as err:
+            await _abort(context, err)
+        async for response in self._generate(
+            lambda: self.encoder.chat(chat), request.sampling, context, model=request.model, operation="chat"
+        ):
             yield response
 
     async def _generate(
         self,
-        ids: list[int],
+        encode: Callable[[], Awaitable[list[int]]],
         params: common_pb2.SamplingParams,
         context: grpc.aio.ServicerContext,
         *,
         model: str,
         operation: str,
     ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
-        """One request under its telemetry: its span and latencies cover every way it can end."""
+        """One request under its telemetry: its span and latencies cover every way it can end.
+        `encode` tokenizes the request's prompt (off the event loop) once it is admitted."""
         sequence_id = uuid.uuid4().hex
         observed = self.telemetry.request(
-            context.invocation_metadata(), operation=operation, prompt_tokens=len(ids), sequence_id=sequence_id
+            context.invocation_metadata(), operation=operation, prompt_tokens=0, sequence_id=sequence_id
         )
         try:
             async for response in self._serve(
-                ids, params, context, model=model, sequence_id=sequence_id, observed=observed
+                encode, params, context, model=model, sequence_id=sequence_id, observed=observed
             ):
                 yield response
         except grpc.aio.AbortError:
@@ -119,7 +122,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def _serve(
         self,
-        ids: list[int],
+        encode: Callable[[], Awaitable[list[int]]],
         params: common_pb2.SamplingParams,
         context: grpc.aio.ServicerContext,
         *,
@@ -128,13 +131,18 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         observed: RequestTelemetry,
     ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
         try:
-            sampling, max_tokens, stop = self._admissible(ids, params, model=model, observed=observed)
-        except (InvalidInput, OverLimit) as err:
+            sampling, max_tokens, stop = self._admissible(params, model=model, observed=observed)
+        except (InvalidInput, NoCapacity) as err:
             await _abort(context, err)
         self.queued += 1
         try:
             async with self._throttler:
+                ids = await encode()
+                _tokenized(observed, len(ids))
+                self._fits(ids, max_tokens)
                 await self._slots.acquire()
+        except InvalidInput as err:
+            await _abort(context, err)
         finally:
             self.queued -= 1
         self.active += 1
@@ -172,7 +180,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             self._slots.release()
 
     def _admissible(
-        self, ids: list[int], params: common_pb2.SamplingParams, *, model: str, observed: RequestTelemetry
+        self, params: common_pb2.SamplingParams, *, model: str, observed: RequestTelemetry
     ) -> tuple[SamplingParams, int, list[str]]:
         """The request's sampling, max_tokens and stop strings; InvalidInput or QueueFull if it cannot wait."""
         served = {self.model_name} | {c.workers[0].model_id for c in self.cluster.chains}
@@ -180,16 +188,18 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             raise InvalidInput(f"model {model!r} is not served here; this coordinator serves {self.model_name!r}")
         sampling, max_tokens, stop = self._sampling(params)
         observed.set_sampling(sampling, max_tokens=max_tokens)
-        if len(ids) + max_tokens > self.admission.max_context:
-            raise InvalidInput(
-                f"prompt of {len(ids)} tokens plus max_tokens = {max_tokens} exceeds the context "
-                f"length of {self.admission.max_context} tokens"
-            )
         if self.queued >= self.admission.max_queued:
             raise QueueFull(
                 f"{self.queued} requests already wait (max_queued = {self.admission.max_queued}); retry later"
             )
         return sampling, max_tokens, stop
+
+    def _fits(self, ids: list[int], max_tokens: int) -> None:
+        if len(ids) + max_tokens > self.admission.max_context:
+            raise InvalidInput(
+                f"prompt of {len(ids)} tokens plus max_tokens = {max_tokens} exceeds the context "
+                f"length of {self.admission.max_context} tokens"
+            )
 
     def _sampling(self, p: common_pb2.SamplingParams) -> tuple[SamplingParams, int, list[str]]:
         max_tokens = p.max_tokens if p.HasField("max_tokens") else self.admission.default_max_tokens
@@ -238,7 +248,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         )
         for w in registry.workers():
             entry = response.workers.add(
-                worker=_worker_info(w), seconds_since_heartbeat=registry.seconds_since(w.address)
+                worker=worker_info(w), seconds_since_heartbeat=registry.seconds_since(w.address)
             )
             chain = self.cluster.chain_of(w.address)
             if chain is not None:
@@ -256,99 +266,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         return response
 
 
-class RegistryServicer(coordinator_pb2_grpc.RegistryServicer):
-    def __init__(self, cluster: Cluster, *, heartbeat_interval: float) -> None:
-        self.cluster = cluster
-        self.heartbeat_interval = heartbeat_interval
-
-    async def Register(
-        self, request: coordinator_pb2.RegisterRequest, context: grpc.aio.ServicerContext
-    ) -> coordinator_pb2.RegisterResponse:
-        worker = _worker(request.worker)
-        try:
-            known = self.cluster.registry.register(worker)
-        except ValueError as err:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
-        log.info(
-            "worker %s registered: layers [%d, %d), pid %d",
-            worker.address,
-            worker.layer_start,
-            worker.layer_end,
-            worker.pid,
-        )
-        self.cluster.refresh()
-        return coordinator_pb2.RegisterResponse(heartbeat_interval_ms=int(self.heartbeat_interval * 1000), known=known)
-
-    async def Heartbeat(
-        self, request: coordinator_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
-    ) -> coordinator_pb2.HeartbeatResponse:
-        return coordinator_pb2.HeartbeatResponse(known=self.cluster.registry.heartbeat(_worker(request.worker)))
-
-    async def Deregister(
-        self, request: coordinator_pb2.DeregisterRequest, context: grpc.aio.ServicerContext
-    ) -> coordinator_pb2.DeregisterResponse:
-        worker = self.cluster.registry.get(request.address)
-        if worker is not None and worker.instance_id == request.instance_id:
-            self.cluster.registry.remove(request.address)
-            log.info("worker %s deregistered: %s", request.address, request.reason or "no reason given")
-            self.cluster.refresh()
-        return coordinator_pb2.DeregisterResponse()
-
-
-def _worker(info: common_pb2.WorkerInfo) -> Worker:
-    return Worker(
-        address=info.address,
-        instance_id=info.instance_id,
-        model_id=info.model_id,
-        model_name=info.model_name,
-        layer_start=info.layer_start,
-        layer_end=info.layer_end,
-        num_layers=info.num_layers,
-        host=info.host,
-        pid=info.pid,
-        tp_size=info.tp_size,
-        dtype=tensor_pb2.DType.Name(info.dtype).lower(),
-        device=info.device,
-        kv_blocks_total=info.kv_blocks_total,
-        kv_blocks_free=info.kv_blocks_free,
-        kv_block_size=info.kv_block_size,
-        in_flight_steps=info.in_flight_steps,
-        active_sequences=info.active_sequences,
-        weights_bytes=info.weights_bytes,
-        state=common_pb2.WorkerState.Name(info.state).removeprefix("WORKER_STATE_"),
-        steps_computed=info.steps_computed,
-        compute_seconds=info.compute_seconds,
-    )
-
-
-def _worker_info(w: Worker) -> common_pb2.WorkerInfo:
-    state = f"WORKER_STATE_{w.state}"
-    return common_pb2.WorkerInfo(
-        address=w.address,
-        host=w.host,
-        pid=w.pid,
-        instance_id=w.instance_id,
-        model_id=w.model_id,
-        model_name=w.model_name,
-        layer_start=w.layer_start,
-        layer_end=w.layer_end,
-        num_layers=w.num_layers,
-        dtype=w.dtype.upper(),  # the enum by name
-        device=w.device,
-        tp_size=w.tp_size,
-        kv_blocks_total=w.kv_blocks_total,
-        kv_blocks_free=w.kv_blocks_free,
-        kv_block_size=w.kv_block_size,
-        in_flight_steps=w.in_flight_steps,
-        active_sequences=w.active_sequences,
-        weights_bytes=w.weights_bytes,
-        steps_computed=w.steps_computed,
-        compute_seconds=w.compute_seconds,
-        state=state if state in common_pb2.WorkerState.keys() else "WORKER_STATE_NOT_SERVING",
-    )
-
-
-class QueueFull(OverLimit):
+class QueueFull(NoCapacity):
     """Too many requests wait for a generation slot; the caller may retry after `retry_after_ms`."""
 
     retry_after_ms = 1000
@@ -361,6 +279,14 @@ async def _abort(context: grpc.aio.ServicerContext, err: Exception) -> NoReturn:
     trailers = () if hint is None else ((RETRY_AFTER_KEY, str(hint)), (PUSHBACK_KEY, str(hint)))
     await context.abort(grpc_status(status_of(err)), str(err), trailing_metadata=trailers)
     raise AssertionError("context.abort returns only by raising")
+
+
+def _tokenized(observed: RequestTelemetry, prompt_tokens: int) -> None:
+    """Tell the request's telemetry its prompt's size, known only once it is tokenized (after the
+    request's span began): its counter reads it at admission, its span gets it now."""
+    observed.prompt_tokens = prompt_tokens
+    if observed.span is not None:
+        observed.span.set_attribute("gen_ai.usage.input_tokens", prompt_tokens)
 
 
 def _delta(event: Delta) -> coordinator_pb2.GenerateResponse:

@@ -10,9 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from layerline.model_store import DEFAULT_MODEL
-from layerline.shared.settings import DEFAULT_MAX_MESSAGE_BYTES, TelemetrySettings
+from layerline.shared.settings import DEFAULT_MAX_MESSAGE_BYTES, TelemetrySettings, TLSSettings
 
 DEFAULT_PREFIX_CACHE = 0.25  # share of a chain's KV memory that finished sequences may keep as lenders
+DEFAULT_MAX_PROMPT_BYTES = 1 << 20  # about 2 s of tokenizing on one core
+DEFAULT_MAX_CHAT_MESSAGES = 256
 
 
 @dataclass(frozen=True)
@@ -29,21 +31,37 @@ class CoordinatorSettings:
     share_prefixes: bool = True  # a new sequence copies the KV of a prefix a live one already computed
     prefix_cache: float = DEFAULT_PREFIX_CACHE  # share of a chain's KV that finished sequences may keep
     depth: int | None = None  # micro-batches in flight per chain; default: the chain's length
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # UTF-8 bytes of a prompt, a chat's contents or rendering
+    max_prompt_tokens: int | None = None  # a prompt's tokens at most; default: the model's context length
+    max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES  # messages of one chat at most
     heartbeat_interval: float = 1.0  # seconds between a worker's heartbeats
     heartbeat_expiry: float = 5.0  # a worker unheard of this long leaves routing
     probe_interval: float = 15.0  # seconds between readiness probes (a real forward) of a worker
     grace_seconds: float = 30.0  # how long SIGTERM waits for in-flight requests
+    cluster_port: int = 7071  # the Registry's port, where stage workers register; 0 picks a free one
+    tls: TLSSettings = field(default_factory=TLSSettings)  # mutual TLS with members; the client port serves TLS too
+    api_tokens: str | None = None  # a file of bearer tokens (one per line) clients must send; None: open
+    admin_tokens: str | None = None  # a file of tokens that may also call ClusterStatus
+    max_concurrent_rpcs: int = 1024  # calls served at once on each port; past it gRPC refuses new ones
     telemetry: TelemetrySettings = field(default_factory=TelemetrySettings)  # traces, metrics; off by default
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.prefix_cache < 1.0:
             raise ValueError(f"--prefix-cache {self.prefix_cache} must be a fraction from 0 up to (not including) 1")
-        for name in ("default_max_tokens", "max_active", "token_budget"):
+        for name in ("default_max_tokens", "max_active", "token_budget", "max_prompt_bytes", "max_chat_messages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)} must be at least 1")
         if self.max_queued < 0:
             raise ValueError(f"--max-queued {self.max_queued} must be >= 0")
         if self.rate_limit <= 0:
             raise ValueError(f"--rate-limit {self.rate_limit} must be > 0 (requests per second)")
+        if self.max_concurrent_rpcs < 1:
+            raise ValueError(f"--max-concurrent-rpcs {self.max_concurrent_rpcs} must be at least 1")
+        if self.cluster_port and self.cluster_port == self.port:
+            raise ValueError(f"--cluster-port {self.cluster_port} must differ from --port: the Registry has its own")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError(
+                f"--max-prompt-tokens {self.max_prompt_tokens} must be at least 1 (or left out: the context length)"
+            )
         if self.depth is not None and self.depth < 1:
             raise ValueError(f"--depth {self.depth} must be at least 1 (or left out: the chain's length)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -19,10 +20,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-
+from layerline.client import Client, ClusterStatus, LayerlineError
 from layerline.coordinator.settings import CoordinatorSettings
-from layerline.protos.v1 import coordinator_pb2, coordinator_pb2_grpc
+from layerline.shared.certs import CertFiles, write_cluster_certs
 from layerline.shared.model_config import ModelConfig
 from layerline.shared.settings import format_size
 from layerline.stage_worker.settings import StageSettings
@@ -46,6 +46,10 @@ class ClusterPlan:
     trace: str = "off"  # every process's --trace: off, console or otlp
     otlp_endpoint: str | None = None  # every process's --otlp-endpoint
     metrics_port: int = 0  # the coordinator's --metrics-port; stage workers take the next ones; 0: none
+    cluster_port: int | None = None  # the coordinator's --cluster-port (stages register there); None: a free one
+    tls: bool = False  # TLS everywhere: a throwaway CA and certificates in the run directory's tls/
+    api_tokens: str | None = None  # the coordinator's --api-tokens file
+    admin_tokens: str | None = None  # its --admin-tokens file; with tokens but none, the run directory gets one
 
 
 def split_layers(num_layers: int, stages: int, *, head_weight: float = 0.0) -> list[tuple[int, int]]:
@@ -64,6 +68,12 @@ def split_layers(num_layers: int, stages: int, *, head_weight: float = 0.0) -> l
         bounds.append(max(bounds[-1] + 1, min(cut, num_layers - (stages - i))))
     bounds.append(num_layers)
     return list(itertools.pairwise(bounds))
+
+
+def _first_token(path: str) -> str:
+    """The first token of a tokens file (one per line; # starts a comment)."""
+    lines = (line.strip() for line in Path(path).read_text().splitlines())
+    return next(line for line in lines if line and not line.startswith("#"))
 
 
 def _free_port(host: str) -> int:
@@ -93,6 +103,24 @@ class LocalCluster:
         self.metrics_ports: dict[str, int] = {}  # process name -> its Prometheus port, when metrics are on
         self.log_dir = plan.log_dir or Path(os.environ.get("TMPDIR", "/tmp")) / f"layerline-{os.getpid()}"
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.cluster_address = f"{plan.host}:{plan.cluster_port or _free_port(plan.host)}"
+        self.certs: CertFiles | None = None  # with `tls`, made at start
+        self.admin_tokens = plan.admin_tokens
+        if plan.api_tokens and not plan.admin_tokens:  # `up` itself needs ClusterStatus
+            self.admin_tokens = str(self.log_dir / "admin-tokens")
+            Path(self.admin_tokens).write_text(secrets.token_urlsafe(24) + "\n")
+            os.chmod(self.admin_tokens, 0o600)
+        # What a client of this cluster needs: an admin token (when tokens are on) and the CA.
+        self.token = _first_token(self.admin_tokens) if self.admin_tokens else None
+
+    @property
+    def ca_cert(self) -> Path | None:
+        """The CA a client trusts to reach this cluster over TLS (None: plaintext)."""
+        return self.certs.ca if self.certs is not None else None
+
+    def client(self) -> Client:
+        """A client of this cluster's coordinator, with its CA and an admin token as needed."""
+        return Client(self.address, token=self.token, ca_cert=self.ca_cert)
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
         log = (self.log_dir / f"{name}.log").open("wb")
@@ -107,6 +135,8 @@ class LocalCluster:
 
     def start(self) -> None:
         p = self.plan
+        if p.tls:
+            self.certs = write_cluster_certs(self.log_dir / "tls", [p.host], force=True)
         workers = len(self.ranges) * p.replicas
         threads = p.threads or max(1, (os.cpu_count() or 1) // (workers * p.tp))
         # A chain's stages take turns on a single prompt, so its chunks get the cores of a chain.
@@ -121,6 +151,10 @@ class LocalCluster:
                 p.host,
                 "--port",
                 str(p.port),
+                "--cluster-port",
+                self.cluster_address.rpartition(":")[2],
+                *self._tls_args("coordinator"),
+                *self._token_args(),
                 *p.coordinator_args,
                 *self._telemetry_args("coordinator"),
             ],
@@ -140,7 +174,8 @@ class LocalCluster:
                     "--port",
                     str(_free_port(p.host)),
                     "--coordinator",
-                    self.address,
+                    self.cluster_address,
+                    *self._tls_args("stage"),
                     "--dtype",
                     p.dtype,
                     "--threads",
@@ -156,6 +191,22 @@ class LocalCluster:
                     args += ["--tp", str(p.tp)]
                 self._spawn(name, args, {"OMP_NUM_THREADS": str(threads)})
 
+    def _tls_args(self, role: str) -> list[str]:
+        if self.certs is None:
+            return []
+        return [
+            "--tls-ca",
+            str(self.certs.ca),
+            "--tls-cert",
+            str(self.certs.cert(role)),
+            "--tls-key",
+            str(self.certs.key(role)),
+        ]
+
+    def _token_args(self) -> list[str]:
+        args = ["--api-tokens", self.plan.api_tokens] if self.plan.api_tokens else []
+        return args + (["--admin-tokens", self.admin_tokens] if self.admin_tokens else [])
+
     def _telemetry_args(self, name: str) -> list[str]:
         """The telemetry flags of process `name`; with metrics, each process takes the next port."""
         p = self.plan
@@ -167,20 +218,19 @@ class LocalCluster:
             args += ["--metrics-port", str(self.metrics_ports[name])]
         return args
 
-    def wait_ready(self, timeout: float = 300.0) -> coordinator_pb2.ClusterStatusResponse:
+    def wait_ready(self, timeout: float = 300.0) -> ClusterStatus:
         deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(self.address) as channel:
-            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        with self.client() as client:
             while time.monotonic() < deadline:
                 for name, proc in self.procs:
                     if proc.poll() is not None:
                         tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-2000:]
                         raise RuntimeError(f"{name} exited with status {proc.returncode}:\n{tail}")
                 try:
-                    status = stub.ClusterStatus(coordinator_pb2.ClusterStatusRequest(), timeout=2)
+                    status = client.cluster(timeout=2)
                     if len(status.chains) >= self.plan.replicas:
                         return status
-                except grpc.RpcError:
+                except LayerlineError:
                     pass
                 time.sleep(0.2)
         raise TimeoutError(f"the cluster was not ready after {timeout:.0f}s; logs in {self.log_dir}")

@@ -2,8 +2,8 @@
 
 Owns `Code`, gRPC's status codes as plain integers (the values gRPC uses), so that modules
 without grpc (the scheduler, the engine) name a status instead of writing its number; the
-domain exception bases every service raises (`InvalidInput`, `OverLimit`, `NoCapacity`,
-`Unreachable`); and `STATUS_OF`, the one table from those kinds to a status, read by
+domain exception bases every service raises (`InvalidInput` and its `OverLimit`, `NoCapacity`,
+`Unreachable`, `Unauthenticated`, `Forbidden`); and `STATUS_OF`, the one table from those kinds to a status, read by
 `status_of`. A service's own exceptions subclass one of the bases, so the table never names
 them. Imports neither grpc nor torch.
 """
@@ -47,25 +47,35 @@ class InvalidInput(ValueError):
     """What a caller sent breaks a rule of the contract: a field, a shape, a position."""
 
 
-class OverLimit(Exception):
-    """What a caller sent is well formed but past a configured bound (a size, a count)."""
+class OverLimit(InvalidInput):
+    """What a caller sent is well formed but past a configured bound (a size, a count). It can never
+    pass as sent, so it is INVALID_ARGUMENT (gRPC's RESOURCE_EXHAUSTED would invite a retry)."""
 
 
 class NoCapacity(RuntimeError):
-    """This process has no room for the work now (a full KV cache); it may fit later."""
+    """This process has no room for the work now (a full KV cache, a full queue); it may fit later."""
 
 
 class Unreachable(RuntimeError):
     """A peer or a part of this process cannot serve (a dead hop, a failed rank): move the work."""
 
 
+class Unauthenticated(PermissionError):
+    """The caller did not prove who it is (no token, a wrong one)."""
+
+
+class Forbidden(PermissionError):
+    """The caller is known, but its role may not do this."""
+
+
 # Kinds of failure -> the status a caller sees. An exception takes the entry of the first class
-# of its MRO found here, so a subclass of two kinds answers as the one it lists first.
+# of its MRO found here.
 STATUS_OF: dict[type[Exception], Code] = {
     InvalidInput: Code.INVALID_ARGUMENT,
-    OverLimit: Code.RESOURCE_EXHAUSTED,
     NoCapacity: Code.RESOURCE_EXHAUSTED,
     Unreachable: Code.UNAVAILABLE,
+    Unauthenticated: Code.UNAUTHENTICATED,
+    Forbidden: Code.PERMISSION_DENIED,
 }
 
 

@@ -68,3 +68,31 @@ def grpc_status(code: int) -> grpc.StatusCode:
 def code_of(status: grpc.StatusCode) -> Code:
     """The `Code` of gRPC's StatusCode."""
     return Code.of(status.value[0])
+
+
+def aio_channel(
+    target: str,
+    *,
+    credentials: grpc.ChannelCredentials | None = None,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> grpc.aio.Channel:
+    """An asyncio channel to `target`: TLS with `credentials` (a cluster member's mutual
+    credentials, or a client's CA), else plaintext; the shared options either way."""
+    options = channel_options(max_message_bytes)
+    if credentials is None:
+        return grpc.aio.insecure_channel(target, options=options)
+    return grpc.aio.secure_channel(target, credentials, options=options)
+
+
+def listen_on(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None = None) -> int:
+    """Bind `server` (made with `server_options`) to `address`, with TLS when `credentials` are
+    given: the port, or OSError naming it."""
+    if credentials is None:
+        return listen(server, address)
+    try:
+        port = server.add_secure_port(address, credentials)
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        raise OSError(f"cannot listen on {address}: the port is in use, or the host is not an address of this machine")
+    return port

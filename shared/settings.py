@@ -62,6 +62,25 @@ def collector_url(endpoint: str) -> str:
     return url
 
 
+@dataclass(frozen=True)
+class TLSSettings:
+    """A cluster member's TLS files (`--tls-ca`, `--tls-cert`, `--tls-key`): all three or none."""
+
+    ca: str | None = None  # the cluster's CA: a peer must present a certificate it signed
+    cert: str | None = None  # this process's certificate; its common name is its role
+    key: str | None = None  # the certificate's private key
+
+    def __post_init__(self) -> None:
+        given = {"--tls-ca": self.ca, "--tls-cert": self.cert, "--tls-key": self.key}
+        missing = [flag for flag, path in given.items() if not path]
+        if len(missing) not in (0, 3):
+            raise ValueError(f"--tls-ca, --tls-cert and --tls-key go together: {', '.join(missing)} missing")
+
+    @property
+    def enabled(self) -> bool:
+        return self.ca is not None
+
+
 def parse_size(text: str) -> int:
     """'512MiB', '2G', '65536' -> bytes (binary units; a trailing 'b' or 'ib' is optional)."""
     match = _SIZE.match(text)

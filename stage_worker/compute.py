@@ -45,28 +45,29 @@ class StageCompute:
     def _computed(self, _: asyncio.Future[Any]) -> None:
         self.queued -= 1
 
-    def start(self, step: ReceivedStep, *, in_flight: int) -> asyncio.Future[StepOutput]:
-        """Begin computing a step: inline if it is small and alone (`in_flight` steps on the stage,
-        this one included) with the thread idle, else on the thread. Failures come in the future."""
+    def start(self, step: ReceivedStep, *, in_flight: int, chain: str = "") -> asyncio.Future[StepOutput]:
+        """Begin computing a step that came by `chain`: inline if it is small and alone (`in_flight`
+        steps on the stage, this one included) with the thread idle, else on the thread. Failures
+        come in the future."""
         if not (
             self.inline_small_steps
             and self.queued == 0
             and in_flight == 1
             and sum(s.num_tokens for s in step.seqs) <= SMALL_STEP_TOKENS
         ):
-            return self.on_thread(lambda: self._run(step))
+            return self.on_thread(lambda: self._run(step, chain))
         future: asyncio.Future[StepOutput] = asyncio.get_running_loop().create_future()
         try:
-            future.set_result(self._run(step))
+            future.set_result(self._run(step, chain))
         except Exception as err:  # noqa: BLE001 - delivered through the future, as from the thread
             future.set_exception(err)
         return future
 
-    def _run(self, step: ReceivedStep) -> StepOutput:
+    def _run(self, step: ReceivedStep, chain: str) -> StepOutput:
         with step.times.computing():
             for sid in step.header.release_sequence_ids:
                 self.engine.release(sid)
-            return self.engine.run(step.seqs, step.hidden, alone=step.header.alone)
+            return self.engine.run(step.seqs, step.hidden, alone=step.header.alone, chain=chain)
 
     def shutdown(self, *, wait: bool) -> None:
         """Stop the compute thread (after what it runs now, if `wait`)."""

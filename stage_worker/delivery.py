@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 
 from layerline.protos.v1 import common_pb2, stage_pb2
+from layerline.shared.errors import Unreachable
 from layerline.shared.wire import status_message
 
 from .codec import chunk
@@ -115,7 +116,13 @@ class Delivery:
             down = {r.sequence_id: r for r in result.sequences}
             answer(_merge(result.step_id, order, local, down))
 
-        await self.hops.get(step.header.route[0]).send(header, frames, deliver=merged)
+        try:
+            hop = self.hops.get(step.header.route[0])
+        except Unreachable as err:
+            answer(stage_pb2.StepResult(step_id=step.header.step_id, error=status_message(err)))
+            step.times.end(error=str(err), sequence_errors=())
+            return
+        await hop.send(header, frames, deliver=merged)
         # This stage's part is done; the result goes to the coordinator.
         step.times.end(error=None, sequence_errors=((sid, str(e.error)) for sid, e in local.items()))
 
@@ -141,6 +148,8 @@ def _forwarded_header(
         route=header.route[1:],
         release_sequence_ids=header.release_sequence_ids,
         alone=header.alone,
+        chain=header.chain,
+        route_tag=header.route_tag,
     )
     if header.HasField("reply") and len(forwarded.sequences) == len(header.sequences):
         forwarded.reply.CopyFrom(header.reply)  # dropped with a sequence: see stage.proto

@@ -83,6 +83,7 @@ class StageEngine:
         self.steps_computed = 0  # steps `run` completed since the start, and their compute time
         self.compute_seconds = 0.0
         self._lock = threading.Lock()
+        self._chains: dict[str, str] = {}  # sequence id -> the chain it started on (one per held sequence)
         # On CPU a step of a few tokens is bound by memory bandwidth: one thread reads the weights
         # as fast as several, and leaves the other cores to co-located processes.
         self.max_threads = max_threads or torch.get_num_threads()
@@ -102,6 +103,7 @@ class StageEngine:
 
     def release(self, sequence_id: str) -> bool:
         with self._lock:
+            self._chains.pop(sequence_id, None)
             return self.cache.release(sequence_id)
 
     def probe(self) -> None:
@@ -114,25 +116,34 @@ class StageEngine:
             raise out.errors[0].error
 
     def run(
-        self, seqs: Sequence[SequenceStep], hidden: torch.Tensor | None = None, *, alone: bool = True
+        self,
+        seqs: Sequence[SequenceStep],
+        hidden: torch.Tensor | None = None,
+        *,
+        alone: bool = True,
+        chain: str = "",
     ) -> StepOutput:
         """Run one micro-batch. `hidden` is [sum of tokens, hidden_size] on later stages.
 
         `alone`: no other step of the chain is in flight, so a large one may take `prefill_threads`.
+        `chain`: the route the step came by; a sequence belongs to the chain it started on, and only
+        steps of that chain continue it or copy its KV.
         A step that returns is counted in `steps_computed` and `compute_seconds` (the probe is not).
         """
         started = time.perf_counter()
-        out = self._step(seqs, hidden, alone=alone)
+        out = self._step(seqs, hidden, alone=alone, chain=chain)
         self.compute_seconds += time.perf_counter() - started
         self.steps_computed += 1
         return out
 
     @torch.inference_mode()
-    def _step(self, seqs: Sequence[SequenceStep], hidden: torch.Tensor | None, *, alone: bool) -> StepOutput:
+    def _step(
+        self, seqs: Sequence[SequenceStep], hidden: torch.Tensor | None, *, alone: bool, chain: str = ""
+    ) -> StepOutput:
         with self._lock:
             if self.cache.device.type == "cpu":
                 self._use_threads(sum(s.num_tokens for s in seqs), alone=alone)
-            return self._run(seqs, hidden)
+            return self._run(seqs, hidden, chain)
 
     def _use_threads(self, step_tokens: int, *, alone: bool) -> None:
         if step_tokens <= SMALL_STEP_TOKENS:
@@ -146,7 +157,7 @@ class StageEngine:
             self.model.set_threads(wanted)
             self._threads = wanted
 
-    def _run(self, seqs: Sequence[SequenceStep], hidden: torch.Tensor | None) -> StepOutput:
+    def _run(self, seqs: Sequence[SequenceStep], hidden: torch.Tensor | None, chain: str) -> StepOutput:
         self._check_step(seqs, hidden)
         out = StepOutput(kept=[])
         rows: list[range] = []  # the packed rows of each kept sequence
@@ -158,13 +169,16 @@ class StageEngine:
                 if seq.sequence_id in seen:
                     raise StepInputError(f"sequence {seq.sequence_id!r} appears twice in one step")
                 seen.add(seq.sequence_id)
+                self._check_chain(seq.sequence_id, chain)
                 if seq.prefix_from:
                     self._check_prefix(seq)
+                    self._check_chain(seq.prefix_from, chain, lender=True)
                     self._check_sequence(seq, held=seq.positions[0])
                     self.cache.copy_prefix(seq.prefix_from, seq.sequence_id, seq.positions[0], room_for=n)
                 else:
                     self._check_sequence(seq)
                 self.cache.reserve(seq.sequence_id, n)
+                self._chains[seq.sequence_id] = chain
             except (StepInputError, KVCacheExhausted) as err:
                 out.errors.append(SequenceError(seq.sequence_id, err))
             else:
@@ -218,6 +232,13 @@ class StageEngine:
             raise StepInputError(
                 f"hidden states have shape {tuple(hidden.shape)}, the step's positions need {expected}"
             )
+
+    def _check_chain(self, sequence_id: str, chain: str, *, lender: bool = False) -> None:
+        """A sequence held here belongs to the chain it started on."""
+        held = self._chains.get(sequence_id)
+        if held is not None and held != chain:
+            what = "prefix_from names" if lender else "sequence"
+            raise StepInputError(f"{what} {sequence_id!r}: it belongs to another chain, not to this step's")
 
     def _check_prefix(self, seq: SequenceStep) -> None:
         """A shared prefix is copied only into a new sequence, from one that holds all of it."""

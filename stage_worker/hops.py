@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import grpc
 
 from layerline.protos.v1 import common_pb2, stage_pb2, stage_pb2_grpc
-from layerline.shared.rpc import channel_options
+from layerline.shared.errors import Unreachable
+from layerline.shared.rpc import aio_channel
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +37,12 @@ class _Waiting:
 class NextHop:
     """One Step stream to one address; frames of a step are written without interleaving."""
 
-    def __init__(self, address: str, *, max_message_bytes: int) -> None:
+    def __init__(
+        self, address: str, *, max_message_bytes: int, credentials: grpc.ChannelCredentials | None = None
+    ) -> None:
         self.address = address
         self._max_message_bytes = max_message_bytes
+        self._credentials = credentials
         self._channel: grpc.aio.Channel | None = None
         self._call: grpc.aio.StreamStreamCall | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -74,8 +78,8 @@ class NextHop:
     def _ensure_stream(self) -> grpc.aio.StreamStreamCall:
         if self._call is None or self._call.done():
             if self._channel is None:
-                self._channel = grpc.aio.insecure_channel(
-                    self.address, options=channel_options(self._max_message_bytes)
+                self._channel = aio_channel(
+                    self.address, credentials=self._credentials, max_message_bytes=self._max_message_bytes
                 )
             self._call = stage_pb2_grpc.StageWorkerStub(self._channel).Step()
             self._waiting = {}  # a fresh dict per stream: the old stream's reader fails its own
@@ -122,17 +126,30 @@ class NextHop:
 
 
 class NextHops:
-    """The NextHop of each address this stage forwards to, made on first use."""
+    """The NextHop of each address this stage forwards to, made on first use; at most `MAX_OPEN`
+    of them, the one idle the longest closed to make room."""
 
-    def __init__(self, *, max_message_bytes: int) -> None:
+    MAX_OPEN = 64
+
+    def __init__(self, *, max_message_bytes: int, credentials: grpc.ChannelCredentials | None = None) -> None:
         self._max_message_bytes = max_message_bytes
-        self._hops: dict[str, NextHop] = {}
+        self._credentials = credentials  # mutual TLS as a stage; None: plaintext
+        self._hops: dict[str, NextHop] = {}  # least recently used first
 
     def get(self, address: str) -> NextHop:
-        hop = self._hops.get(address)
+        hop = self._hops.pop(address, None)
         if hop is None:
-            hop = self._hops[address] = NextHop(address, max_message_bytes=self._max_message_bytes)
+            if len(self._hops) >= self.MAX_OPEN:
+                self._close_idlest()
+            hop = NextHop(address, max_message_bytes=self._max_message_bytes, credentials=self._credentials)
+        self._hops[address] = hop  # most recently used last
         return hop
+
+    def _close_idlest(self) -> None:
+        idle = next((a for a, h in self._hops.items() if h.in_flight == 0), None)
+        if idle is None:
+            raise Unreachable(f"this stage already streams to {len(self._hops)} next hops, all busy")
+        asyncio.get_running_loop().create_task(self._hops.pop(idle).close())
 
     async def close(self) -> None:
         for hop in self._hops.values():

@@ -154,13 +154,19 @@ class LeadingEngine:
             raise RankFailed(f"a rank of this stage did not answer: {err}") from None
 
     def run(
-        self, seqs: Sequence[SequenceStep], hidden: torch.Tensor | None = None, *, alone: bool = True
+        self,
+        seqs: Sequence[SequenceStep],
+        hidden: torch.Tensor | None = None,
+        *,
+        alone: bool = True,
+        chain: str = "",
     ) -> StepOutput:
         try:
             self._op(RUN)
             _steps_out(self._wire, seqs)
+            self._wire.strings([chain])
             self._wire.tensor(hidden)
-            return self.engine.run(seqs, hidden, alone=alone)
+            return self.engine.run(seqs, hidden, alone=alone, chain=chain)
         except RuntimeError as err:
             raise RankFailed(f"tensor-parallel step failed: {err}") from None
 
@@ -190,7 +196,8 @@ def follow(engine: StageEngine, group: dist.ProcessGroup | None) -> None:
                 return
             if op == RUN:
                 seqs = _steps_in(wire)
-                engine.run(seqs, wire.tensor(None))
+                (chain,) = wire.strings()
+                engine.run(seqs, wire.tensor(None), chain=chain)
             elif op == RELEASE:
                 engine.release(wire.strings()[0])
             elif op == PROBE:

@@ -22,14 +22,16 @@ from pathlib import Path
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 
 from layerline.model_store import resolve_model
-from layerline.protos.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, stage_pb2_grpc
+from layerline.protos.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 from layerline.shared.model_config import LayerRange, ModelConfig
-from layerline.shared.rpc import channel_options, listen, server_options
+from layerline.shared.rpc import aio_channel, listen_on, server_options
+from layerline.shared.services import add_servicer
 from layerline.shared.settings import to_json
 from layerline.shared.telemetry import Telemetry
+from layerline.shared.tls import member_files
 
 from . import tp_group
 from .codec import CodecLimits, dtype_to_wire
@@ -38,6 +40,7 @@ from .hops import NextHops
 from .kv_cache import CacheShape, PagedKVCache
 from .parallel import TensorParallel
 from .ranks import LeadingEngine, RankFailed, follow
+from .routing import RouteGuard
 from .servicer import StageServicer, StreamLimits
 from .settings import StageSettings
 from .step_telemetry import StageTelemetry
@@ -71,6 +74,8 @@ class StageWorker:
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]  # not in grpc-stubs
         self.failed = False  # a rank of this tensor-parallel stage died or hung
         self.weights_bytes = 0  # of this rank's shards, once loaded
+        self.routes = RouteGuard(address=lambda: self.address)  # its key comes with the registration
+        self.member_credentials: grpc.ChannelCredentials | None = None  # mutual TLS to the other members
 
     def build_engine(self, tp: TensorParallel) -> StageEngine:
         """Load this rank's shards and preallocate its KV pool (the same block count on every rank)."""
@@ -159,12 +164,16 @@ class StageWorker:
     async def serve(self, *, stop: asyncio.Event | None = None) -> None:
         """Load, listen, and serve until `stop` is set or SIGTERM/SIGINT arrives."""
         s = self.settings
-        server = grpc.aio.server(options=server_options(s.max_message_bytes))
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        server = grpc.aio.server(
+            options=server_options(s.max_message_bytes), maximum_concurrent_rpcs=s.max_concurrent_rpcs
+        )
+        add_servicer(server, self.health, health_pb2.DESCRIPTOR.services_by_name["Health"])
         proxy = _UntilLoaded()
-        stage_pb2_grpc.add_StageWorkerServicer_to_server(proxy, server)
+        add_servicer(server, proxy, stage_pb2.DESCRIPTOR.services_by_name["StageWorker"])
         await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        port = listen(server, f"{s.host}:{s.port}")
+        tls = member_files(s.tls)
+        credentials = tls.server_credentials(require_client_auth=True) if tls is not None else None
+        port = listen_on(server, f"{s.host}:{s.port}", credentials)
         self.address = s.advertise or f"{s.host}:{port}"
         await server.start()
         stop = stop or asyncio.Event()
@@ -176,7 +185,8 @@ class StageWorker:
         engine = self.engine
         layers = f"{self.layers.start}:{self.layers.end}"
         telemetry = Telemetry(s.telemetry, service=f"layerline-stage-{self.layers.start}-{self.layers.end}")
-        hops = NextHops(max_message_bytes=s.max_message_bytes)
+        self.member_credentials = tls.channel_credentials() if tls is not None else None
+        hops = NextHops(max_message_bytes=s.max_message_bytes, credentials=self.member_credentials)
         self.servicer = StageServicer(
             self.engine,
             model_id=self.model_id,
@@ -194,6 +204,8 @@ class StageWorker:
                 layers=layers,
                 kv_blocks=lambda: (engine.cache.blocks_total - engine.cache.blocks_free, engine.cache.blocks_free),
             ),
+            routes=self.routes,
+            tls=tls is not None,
         )
         proxy.target = self.servicer
         self.state = common_pb2.WORKER_STATE_SERVING
@@ -251,7 +263,7 @@ class StageWorker:
 
     async def _membership(self, coordinator: str) -> None:
         """Register with the coordinator and heartbeat; register again whenever it forgets us."""
-        async with grpc.aio.insecure_channel(coordinator, options=channel_options()) as channel:
+        async with aio_channel(coordinator, credentials=self.member_credentials) as channel:
             stub = coordinator_pb2_grpc.RegistryStub(channel)
             interval, known = 1.0, False
             while True:
@@ -260,6 +272,7 @@ class StageWorker:
                         held = await self._held_sequences()  # before registering: no step of this registration
                         reply = await stub.Register(coordinator_pb2.RegisterRequest(worker=self.info()), timeout=5)
                         interval = max(reply.heartbeat_interval_ms / 1000, 0.05)
+                        self.routes.key = reply.route_key or None  # the routes this stage follows from now on
                         log.info("registered with coordinator %s", coordinator)
                         known = True
                         if not reply.known and held:
@@ -289,7 +302,7 @@ class StageWorker:
         log.warning("coordinator did not know this worker: freed %d sequence(s) it no longer routes to", freed)
 
     async def _deregister(self, coordinator: str, reason: str) -> None:
-        async with grpc.aio.insecure_channel(coordinator) as channel:
+        async with aio_channel(coordinator, credentials=self.member_credentials) as channel:
             try:
                 await coordinator_pb2_grpc.RegistryStub(channel).Deregister(
                     coordinator_pb2.DeregisterRequest(

@@ -1,12 +1,10 @@
 """The StageWorker gRPC service: protos in, calls to the stage's parts, protos out.
 
-A Step stream's frames become steps (`frames`) that start computing in arrival order (`compute`)
-and go on, in that order, to `delivery` (the next hop, or the last stage's answer); answers go up
-as they come. Owns what answers a failed step: its status by kind (`shared.wire.status_message`),
-this stage's address when a rank failed, a log of a defect; the stream keeps serving. The first
-stage keeps acknowledgements of results the coordinator got directly off its stream.
-
-Knows nothing of the model's math, the framing, where a step computes or goes, or the schedule.
+Owns who may call what (with mutual TLS, by the caller's certificate: only the coordinator
+subscribes to Results, releases and probes; the coordinator and stages send steps), the bounds
+of each request, and handing each Step stream to an `UpstreamStream` (`streams`), which turns its
+frames into answered steps. Knows nothing of the model's math, the framing, where a step
+computes or goes, or the schedule.
 """
 
 from __future__ import annotations
@@ -16,27 +14,28 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import TypeVar
 
 import grpc
 
 from layerline.protos.v1 import common_pb2, stage_pb2, stage_pb2_grpc
-from layerline.shared.wire import status_message
+from layerline.shared.access import COORDINATOR, STAGE, require
+from layerline.shared.errors import Forbidden
 
-from .codec import CodecLimits, FrameError
+from .codec import CodecLimits
 from .compute import StageCompute
 from .delivery import Delivery
-from .engine import StageEngine, StepInputError, StepOutput
-from .frames import Pushed, ReceivedStep, StepAssembler, StepRules
+from .engine import StageEngine
+from .frames import StepRules
 from .hops import NextHops
-from .ranks import RankFailed
-from .step_telemetry import StageTelemetry, StreamTelemetry
+from .routing import RouteGuard
+from .step_telemetry import StageTelemetry
+from .streams import StageParts, UpstreamStream
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_Started = tuple[ReceivedStep, asyncio.Future[StepOutput]]  # a step and its compute, begun
 MAX_SUBSCRIBER_BYTES = 128
+MAX_RELEASED = 4096  # sequence ids in one Release call
 
 
 @dataclass(frozen=True)
@@ -46,17 +45,6 @@ class StreamLimits:
     max_chunk_bytes: int  # data bytes per hidden-state chunk this stage sends
     max_in_flight: int  # steps of one upstream stream received but not yet answered
     max_sequences: int  # sequences in one step
-
-
-class _Stream:
-    """One upstream Step stream: its steps in arrival order, and its answers going up."""
-
-    def __init__(self, telemetry: StreamTelemetry, *, max_in_flight: int) -> None:
-        self.telemetry = telemetry
-        self.outstanding = 0  # steps received and not yet answered
-        self.reading = True  # False once every received step has been started and handed on
-        self.ordered: asyncio.Queue[_Started | None] = asyncio.Queue(max_in_flight)  # None: no more steps
-        self.answers: asyncio.Queue[stage_pb2.StepResult | None] = asyncio.Queue()  # None: the stream is done
 
 
 class StageServicer(stage_pb2_grpc.StageWorkerServicer):
@@ -69,8 +57,12 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
         hops: NextHops,
         worker_info: Callable[[], common_pb2.WorkerInfo],
         telemetry: StageTelemetry,
+        routes: RouteGuard,
+        tls: bool = False,
     ) -> None:
         self.engine = engine
+        self.routes = routes  # which routes this stage follows
+        self.tls = tls  # mutual TLS: every caller's role is its certificate's
         self.telemetry = telemetry
         self.limits = limits
         self.worker_info = worker_info
@@ -80,6 +72,9 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
             is_first=engine.is_first,
             is_last=engine.is_last,
             max_sequences=limits.max_sequences,
+            hidden_size=engine.config.hidden_size,
+            max_step_tokens=engine.max_step_tokens,
+            max_history=engine.config.max_position_embeddings,
         )
         self.compute = StageCompute(engine)
         self.delivery = Delivery(
@@ -89,7 +84,20 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
             max_message_bytes=limits.max_message_bytes,
             max_chunk_bytes=limits.max_chunk_bytes,
         )
-        self.in_flight = 0  # steps of every stream received and not yet answered
+        self.parts = StageParts(
+            rules=self.rules,
+            codec=limits.codec,
+            max_in_flight=limits.max_in_flight,
+            routes=routes,
+            compute=self.compute,
+            delivery=self.delivery,
+            address=lambda: worker_info().address,
+        )
+
+    @property
+    def in_flight(self) -> int:
+        """Steps of every stream received and not yet answered."""
+        return self.parts.in_flight
 
     def on_compute_thread(self, fn: Callable[[], T]) -> asyncio.Future[T]:
         """Run `fn` on the compute thread, after everything submitted before it."""
@@ -98,76 +106,18 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
     async def Step(
         self, request_iterator: AsyncIterator[stage_pb2.StepFrame], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[stage_pb2.StepResult]:
-        stream = _Stream(self.telemetry.stream(), max_in_flight=self.limits.max_in_flight)
-        tasks = [asyncio.create_task(self._read(stream, request_iterator)), asyncio.create_task(self._forward(stream))]
         try:
-            while (result := await stream.answers.get()) is not None:
-                yield result
-        finally:
-            for task in tasks:
-                task.cancel()
-            stream.telemetry.close()
-
-    async def _read(self, stream: _Stream, frames: AsyncIterator[stage_pb2.StepFrame]) -> None:
-        """Reassemble steps and start each; a malformed step is answered with its error."""
-        assembler = StepAssembler(self.rules, codec=self.limits.codec, telemetry=stream.telemetry)
-        try:
-            async for frame in frames:
-                await self._take(stream, assembler.push(frame))
-            await self._take(stream, assembler.end())
-        finally:
-            await stream.ordered.put(None)
-
-    async def _take(self, stream: _Stream, pushed: Pushed) -> None:
-        """Count the steps a frame began, answer those it rejected, start those it completed."""
-        stream.outstanding += pushed.arrived
-        self.in_flight += pushed.arrived
-        for rejected in pushed.rejected:
-            self._answer(stream, stage_pb2.StepResult(step_id=rejected.step_id, error=status_message(rejected.error)))
-        for step in pushed.steps:
-            step.times.ready()
-            await stream.ordered.put((step, self.compute.start(step, in_flight=self.in_flight)))
-
-    async def _forward(self, stream: _Stream) -> None:
-        """Hand each computed step on, in arrival order; a failed one is answered with its error."""
-        while (item := await stream.ordered.get()) is not None:
-            step, future = item
-            try:
-                out = await future
-            except Exception as err:  # noqa: BLE001 - each failure is answered on its step; defects are logged
-                self._answer(stream, self._failure(step, err))
-                continue
-            await self.delivery.deliver(step, out, answer=partial(self._answer, stream))
-        stream.reading = False
-        if stream.outstanding == 0:
-            stream.answers.put_nowait(None)
-
-    def _failure(self, step: ReceivedStep, err: Exception) -> stage_pb2.StepResult:
-        """The answer of a step whose compute raised `err` (called while handling it)."""
-        result = stage_pb2.StepResult(step_id=step.header.step_id, error=status_message(err))
-        if isinstance(err, RankFailed):  # this stage fails stop; the coordinator moves the work
-            result.failed_address = self.worker_info().address
-        elif not isinstance(err, (StepInputError, FrameError)):  # a defect: say so on the step, keep serving
-            log.exception("step %d failed", step.header.step_id)
-        return result
-
-    def _answer(self, stream: _Stream, result: stage_pb2.StepResult) -> None:
-        """A step's answer goes up (unless the coordinator has it already)."""
-        stream.outstanding -= 1
-        self.in_flight -= 1
-        stream.telemetry.answered(
-            result.step_id,
-            error=result.error.message if result.error.code else None,
-            sequence_errors=((r.sequence_id, r.error.message) for r in result.sequences if r.error.code),
-        )
-        if not (result.replied and self.engine.is_first):  # the coordinator has the result
-            stream.answers.put_nowait(result)
-        if not stream.reading and stream.outstanding == 0:
-            stream.answers.put_nowait(None)
+            sender = require(context, (COORDINATOR, STAGE), tls=self.tls, action="Step")
+        except Forbidden as err:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))
+        stream = UpstreamStream(self.parts, sender=sender, telemetry=self.telemetry.stream())
+        async for result in stream.answers(request_iterator):
+            yield result
 
     async def Results(
         self, request: stage_pb2.ResultsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[stage_pb2.StepResult]:
+        await self._require(context, (COORDINATOR,), action="Results")
         name = request.subscriber
         if not name or len(name.encode()) > MAX_SUBSCRIBER_BYTES:
             await context.abort(
@@ -185,14 +135,28 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
     async def Release(
         self, request: stage_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> stage_pb2.ReleaseResponse:
+        await self._require(context, (COORDINATOR,), action="Release")
+        if len(request.sequence_ids) > MAX_RELEASED:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"sequence_ids holds {len(request.sequence_ids)} ids: at most {MAX_RELEASED} per call",
+            )
         released = await self.on_compute_thread(lambda: sum(self.engine.release(s) for s in request.sequence_ids))
         self.telemetry.released()
         return stage_pb2.ReleaseResponse(released=released, kv_blocks_free=self.engine.cache.blocks_free)
 
     async def Info(self, request: stage_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> stage_pb2.InfoResponse:
+        await self._require(context, (COORDINATOR,) if request.probe else (COORDINATOR, STAGE), action="Info")
         seconds = 0.0
         if request.probe:
             start = time.perf_counter()
             await self.on_compute_thread(self.engine.probe)
             seconds = time.perf_counter() - start
         return stage_pb2.InfoResponse(worker=self.worker_info(), probe_seconds=seconds)
+
+    async def _require(self, context: grpc.aio.ServicerContext, roles: tuple[str, ...], *, action: str) -> None:
+        """End the call with PERMISSION_DENIED unless the caller's role may do `action`."""
+        try:
+            require(context, roles, tls=self.tls, action=action)
+        except Forbidden as err:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))

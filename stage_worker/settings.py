@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from layerline.shared.settings import DEFAULT_MAX_MESSAGE_BYTES, DTYPES, TelemetrySettings
+from layerline.shared.settings import DEFAULT_MAX_MESSAGE_BYTES, DTYPES, TelemetrySettings, TLSSettings
 
 # float32 on CPU: linear weights both plain and packed for oneDNN, or one of them (stage_worker/layouts.py)
 WEIGHT_LAYOUTS = ("both", "packed", "plain")
@@ -40,6 +40,8 @@ class StageSettings:
     tp: int = 1  # tensor-parallel ranks of this stage, on this node
     tp_timeout: float = 10.0  # a collective waiting longer than this fails the stage (seconds)
     telemetry: TelemetrySettings = field(default_factory=TelemetrySettings)  # traces, metrics; off by default
+    tls: TLSSettings = field(default_factory=TLSSettings)  # mutual TLS with the cluster's members; off: plaintext
+    max_concurrent_rpcs: int = 256  # calls served at once; past it gRPC refuses new ones
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -37,6 +37,7 @@ from layerline.client import (
     LayerlineError,
     ModelInfo,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
     TokenLogprobs,
     Unavailable,
@@ -371,7 +372,7 @@ def test_deadline_exceeded(client: Client) -> None:
         ("bad", None, InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
         ("Once upon a time", "nope", NotFound, grpc.StatusCode.NOT_FOUND),
         ("broken", None, Internal, grpc.StatusCode.INTERNAL),
-        ("denied", None, LayerlineError, grpc.StatusCode.PERMISSION_DENIED),
+        ("denied", None, PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     ],
 )
 def test_status_codes_map_to_typed_errors(

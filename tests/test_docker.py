@@ -210,7 +210,8 @@ def test_entrypoints_listen_on_all_interfaces_and_leave_the_model_to_the_run() -
 def test_exposed_port_and_healthcheck_are_the_servers_port(dockerfile: str) -> None:
     image = IMAGES[dockerfile]
     args = parse(image.exec_form("ENTRYPOINT") + RUN_ARGS[dockerfile])
-    assert image.one("EXPOSE").split() == [str(args.port)]
+    ports = [args.port] + ([args.cluster_port] if args.command == "coordinator" else [])  # clients, the Registry
+    assert image.one("EXPOSE").split() == [str(p) for p in ports]
     assert args.port != 0, "a free port chosen at start cannot be exposed or health-checked"
 
     options, command = image.healthcheck()
@@ -331,6 +332,28 @@ def test_healthcheck_script_exits_0_only_when_serving() -> None:
     assert check.main([]) == 1  # Docker reserves exit code 2
 
 
+def test_healthcheck_speaks_mutual_tls_when_the_tls_variables_are_set(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from layerline.shared.certs import write_cluster_certs
+
+    certs = write_cluster_certs(tmp_path / "certs", ["stage-0-19"])
+    check = load_healthcheck()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_secure_port("127.0.0.1:0", certs.tls_files("stage").server_credentials(require_client_auth=True))
+    server.start()
+    try:
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        assert check.main([f"127.0.0.1:{port}"]) == 1  # plaintext against a TLS port
+        monkeypatch.setenv("LAYERLINE_TLS_CA", str(certs.ca))
+        assert check.main([f"127.0.0.1:{port}"]) == 1  # no client certificate: the handshake fails
+        monkeypatch.setenv("LAYERLINE_TLS_CERT", str(certs.cert("stage")))
+        monkeypatch.setenv("LAYERLINE_TLS_KEY", str(certs.key("stage")))
+        assert check.main([f"127.0.0.1:{port}"]) == 0
+    finally:
+        server.stop(None).wait()
+
+
 # --- the compose file ----------------------------------------------------------------------
 
 
@@ -358,7 +381,7 @@ def test_compose_addresses_and_ports_agree_with_the_flags() -> None:
     assert coordinator.host == "0.0.0.0"
     for name, args in services_running("stage"):
         assert args.host == "0.0.0.0", name
-        assert args.coordinator == f"{coordinator_name}:{coordinator.port}", name
+        assert args.coordinator == f"{coordinator_name}:{coordinator.cluster_port}", name  # the Registry's port
         assert args.advertise == f"{name}:{args.port}", f"{name} must advertise its own service name and port"
 
     published = {name: service["ports"] for name, service in SERVICES.items() if "ports" in service}
@@ -390,3 +413,26 @@ def test_compose_builds_from_the_repository_root_and_shares_one_cache() -> None:
         cache = IMAGES[build["dockerfile"]].variables["LAYERLINE_HOME"]
         assert service["volumes"] == [f"models:{cache}"], name
     assert set(COMPOSE["volumes"]) == {"models"}
+
+
+def test_compose_members_talk_mutual_tls_with_their_roles_certificates_as_secrets() -> None:
+    declared = COMPOSE["secrets"]
+    assert {name: spec["file"].removeprefix("./certs/") for name, spec in declared.items()} == {
+        "tls_ca": "ca.crt",
+        "tls_coordinator_cert": "coordinator.crt",
+        "tls_coordinator_key": "coordinator.key",
+        "tls_stage_cert": "stage.crt",
+        "tls_stage_key": "stage.key",
+        "api_tokens": "api-tokens",
+    }
+    for name, role in [("coordinator", "coordinator"), *((n, "stage") for n, _ in services_running("stage"))]:
+        service = SERVICES[name]
+        env = service["environment"]
+        files = {env["LAYERLINE_TLS_CA"], env["LAYERLINE_TLS_CERT"], env["LAYERLINE_TLS_KEY"]}
+        assert files == {f"/run/secrets/{s}" for s in ("tls_ca", f"tls_{role}_cert", f"tls_{role}_key")}, name
+        assert {f"/run/secrets/{s}" for s in service["secrets"]} >= files, f"{name} mounts its role's secrets only"
+        assert not any("coordinator_key" in s for s in service["secrets"]) or role == "coordinator", name
+    ((_, coordinator),) = services_running("coordinator")
+    assert coordinator.api_tokens == "/run/secrets/api_tokens" and "api_tokens" in SERVICES["coordinator"]["secrets"]
+    assert "docker/certs" in (ROOT / ".dockerignore").read_text(), "keys never enter an image's build context"
+    assert "docker/certs/" in (ROOT / ".gitignore").read_text()

@@ -222,3 +222,27 @@ def test_repetition_penalty_and_logprobs():
 def test_bad_sampling_params_are_named(params, field):
     with pytest.raises(ValueError, match=field):
         params.check()
+
+
+def test_a_sequence_belongs_to_the_chain_it_started_on(ckpt):
+    """A step of another chain can neither continue a sequence nor copy its KV (prefix_from)."""
+    first = engine(ckpt, LayerRange(0, 2))
+    assert not first.run([SequenceStep("mine", tuple(range(6)), (1, 2, 3, 4, 5, 6))], chain="a\0b").errors
+    other = first.run(
+        [
+            SequenceStep("mine", (6,), (7,)),
+            SequenceStep("thief", (5,), (6,), prefix_from="mine"),
+        ],
+        chain="c\0b",
+    )
+    assert [(e.sequence_id, str(e.error)) for e in other.errors] == [
+        ("mine", "sequence 'mine': it belongs to another chain, not to this step's"),
+        ("thief", "prefix_from names 'mine': it belongs to another chain, not to this step's"),
+    ]
+    assert "thief" not in first.cache
+    same = first.run(
+        [SequenceStep("mine", (6,), (7,)), SequenceStep("friend", (5,), (6,), prefix_from="mine")], chain="a\0b"
+    )
+    assert not same.errors and [s.sequence_id for s in same.kept] == ["mine", "friend"]
+    assert first.release("mine") and first.release("friend")
+    assert not first.run([SequenceStep("mine", (0,), (1,))], chain="c\0b").errors  # freed: a new sequence

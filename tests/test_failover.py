@@ -209,6 +209,8 @@ def test_stage_workers_outlive_a_coordinator_crash_and_free_what_it_left(real_mo
                 str(real_model_dir),
                 "--port",
                 str(cluster.plan.port),
+                "--cluster-port",  # where the workers register again
+                cluster.cluster_address.rpartition(":")[2],
             ],
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -216,7 +216,7 @@ def traced(checkpoint, tmp_path_factory) -> Iterator[TracedRun]:
         spans=receiver.spans(),
         exports=receiver.requests,
         metrics=metrics,
-        stage_addresses={f"{w.worker.layer_start}:{w.worker.layer_end}": w.worker.address for w in status.workers},
+        stage_addresses={f"{w.layers[0]}:{w.layers[1]}": w.address for w in status.workers},
         exit_codes=[p.returncode for _, p in cluster.procs],
     )
 

@@ -180,7 +180,7 @@ def _generate_through_the_sdk(model_dir, tmp_path, prompts: list[str], n: int, *
     cluster.start()
     try:
         status = cluster.wait_ready(timeout=180)
-        assert all(w.worker.tp_size == plan["tp"] for w in status.workers)
+        assert all(w.tp == plan["tp"] for w in status.workers)
 
         async def run() -> list[list[int]]:
             async with AsyncClient(cluster.address) as client:
@@ -202,7 +202,7 @@ def test_smollm2_at_tp_3_through_the_sdk_equals_transformers(real_model_dir, tmp
     assert got == [hf_greedy(p, 16) for p in prompts]
     # Each rank holds a third of every sharded tensor: 54,298,944 float32 parameters, not 162.8M
     # (with the packed layout alone, a weight is held once).
-    assert [w.worker.weights_bytes for w in status.workers] == [54_298_944 * 4]
+    assert [w.weights_bytes for w in status.workers] == [54_298_944 * 4]
 
 
 @pytest.mark.cluster

@@ -47,6 +47,8 @@ BUDGETS = {  # ratio name -> the least it may be (DESIGN.md, performance budgets
     "concurrent_32_vs_transformers_batch_32": 1.0,
 }
 MAX_ADDED_MS_PER_HOP = 1.0
+TLS_RATIO = "single_stream_2_stages_tls_vs_plaintext"  # with --tls: TLS everywhere against plaintext
+MIN_TLS_RATIO = 0.95
 
 
 @dataclass(frozen=True)
@@ -122,8 +124,8 @@ class Baseline:
         return Seconds(self._generate(self.long_ids, 1))
 
 
-def cluster_long_ttft(address: str) -> Seconds:
-    with Client(address) as client:
+def cluster_long_ttft(cluster: LocalCluster) -> Seconds:
+    with cluster.client() as client:
         start = time.perf_counter()
         client.generate(LONG_PROMPT, max_tokens=1, temperature=0.0)
         return Seconds(time.perf_counter() - start)
@@ -132,8 +134,12 @@ def cluster_long_ttft(address: str) -> Seconds:
 class StageClocks:
     """Asks each stage of a one-chain cluster how many steps it computed so far, and for how long."""
 
-    def __init__(self, client: Client) -> None:
-        self._channels = [grpc.insecure_channel(w.address) for w in client.cluster().workers]
+    def __init__(self, cluster: LocalCluster, client: Client) -> None:
+        if cluster.certs is None:
+            self._channels = [grpc.insecure_channel(w.address) for w in client.cluster().workers]
+        else:  # the stages answer members only: ask as the coordinator
+            member = cluster.certs.tls_files("coordinator").channel_credentials()
+            self._channels = [grpc.secure_channel(w.address, member) for w in client.cluster().workers]
         self._stubs = [stage_pb2_grpc.StageWorkerStub(c) for c in self._channels]
         self.read()  # connected before anything is timed
 
@@ -146,9 +152,9 @@ class StageClocks:
             channel.close()
 
 
-def cluster_single(address: str, n: int) -> Stream:
-    with Client(address) as client:
-        clocks = StageClocks(client)
+def cluster_single(cluster: LocalCluster, n: int) -> Stream:
+    with cluster.client() as client:
+        clocks = StageClocks(cluster, client)
         try:
             start = time.perf_counter()
             arrivals: list[float] = []
@@ -173,9 +179,9 @@ def cluster_single(address: str, n: int) -> Stream:
     )
 
 
-def cluster_aggregate(address: str, streams: int, n: int) -> float:
+def cluster_aggregate(cluster: LocalCluster, streams: int, n: int) -> float:
     async def run() -> float:
-        async with AsyncClient(address) as client:
+        async with AsyncClient(cluster.address, token=cluster.token, ca_cert=cluster.ca_cert) as client:
             start = time.perf_counter()
             done = await asyncio.gather(
                 *(client.generate(PROMPT, max_tokens=n, temperature=0.0) for _ in range(streams))
@@ -215,7 +221,10 @@ def run_bench(
     rounds: int = 5,
     port: int = 7179,
     json_path: Path | None = None,
+    tls: bool = False,
 ) -> BenchResult:
+    """The figures of DESIGN.md, in one run; with `tls`, also a 2-stage cluster with TLS everywhere
+    beside the plaintext one, for the single stream's cost of TLS."""
     threads = os.cpu_count() or 1
     result = BenchResult(model=checkpoint.name, dtype=dtype, threads=threads, new_tokens=new_tokens, rounds=rounds)
     _log(f"loading the transformers baseline ({dtype}, {threads} threads) ...")
@@ -225,6 +234,7 @@ def run_bench(
         "1_stage": {"stages": 1},
         "2_stages": {"stages": 2},
         "1_stage_tp3": {"stages": 1, "tp": 3},
+        **({"2_stages_tls": {"stages": 2, "tls": True}} if tls else {}),
     }
     clusters = {
         # Every round sends the same prompt: without the cache of finished requests' KV, each
@@ -247,10 +257,10 @@ def run_bench(
             cluster.start()
         for cluster in clusters.values():
             cluster.wait_ready()
-            cluster_aggregate(cluster.address, 2, 4)  # warm up
-        one, two, tp3 = (clusters[n].address for n in layouts)
+            cluster_aggregate(cluster, 2, 4)  # warm up
+        one, two, tp3 = clusters["1_stage"], clusters["2_stages"], clusters["1_stage_tp3"]
         for name, cluster in clusters.items():
-            with Client(cluster.address) as client:
+            with cluster.client() as client:
                 result.weights_bytes_per_rank[name] = max(w.weights_bytes for w in client.cluster().workers)
         _log("single streams ...")
         singles = _rounds(
@@ -260,6 +270,7 @@ def run_bench(
                 "1_stage": lambda: cluster_single(one, new_tokens),
                 "2_stages": lambda: cluster_single(two, new_tokens),
                 "1_stage_tp3": lambda: cluster_single(tp3, new_tokens),
+                **({"2_stages_tls": lambda: cluster_single(clusters["2_stages_tls"], new_tokens)} if tls else {}),
             },
         )
         result.single_stream = {k: _median_stream(v) for k, v in singles.items()}
@@ -329,7 +340,10 @@ def run_bench(
         "long_prompt_ttft_2_stages_vs_transformers": result.long_prompt_ttft_s["transformers"]
         / result.long_prompt_ttft_s["2_stages"],
     }
-    result.within_budget = {k: result.ratios[k] >= least for k, least in BUDGETS.items()}
+    if tls:
+        result.ratios[TLS_RATIO] = s["2_stages_tls"] / s["2_stages"]
+    budgets = {**BUDGETS, TLS_RATIO: MIN_TLS_RATIO} if tls else BUDGETS
+    result.within_budget = {k: result.ratios[k] >= least for k, least in budgets.items()}
     result.within_budget["added_ms_per_extra_hop_per_token"] = (
         result.ratios["added_ms_per_extra_hop_per_token"] <= MAX_ADDED_MS_PER_HOP
     )

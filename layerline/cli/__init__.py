@@ -18,6 +18,7 @@ from typing import TypeAlias
 
 from layerline import __version__
 
+from .certs import add_certs_commands
 from .cluster import add_cluster_commands
 from .servers import add_coordinator_commands, add_stage_commands
 from .support import (
@@ -105,6 +106,7 @@ COMMAND_GROUPS: tuple[CommandGroup, ...] = (
     add_stage_commands,
     add_coordinator_commands,
     add_cluster_commands,
+    add_certs_commands,
 )
 
 

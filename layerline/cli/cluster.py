@@ -6,11 +6,22 @@ import argparse
 import sys
 from pathlib import Path
 
+from layerline.client import Client, LayerlineError
 from layerline.coordinator.settings import CoordinatorSettings
 from layerline.launcher import ClusterPlan, LocalCluster
 from layerline.shared.settings import DTYPES
 
-from .support import HelpFormatter, Subcommands, add_telemetry_flags, reported_as_errors, telemetry_settings
+from .support import (
+    CA_VARIABLE,
+    TOKEN_VARIABLE,
+    HelpFormatter,
+    Subcommands,
+    add_client_flags,
+    add_telemetry_flags,
+    client_credentials,
+    reported_as_errors,
+    telemetry_settings,
+)
 
 DEFAULT_TARGET = f"127.0.0.1:{CoordinatorSettings.port}"  # where the client commands find a coordinator
 
@@ -57,11 +68,32 @@ def _cluster_flags(p: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help=f"KV pool per stage worker (default: {plan.kv_memory})",
     )
+    p.add_argument(
+        "--cluster-port",
+        type=int,
+        metavar="P",
+        help="the coordinator's port for its stage workers (the Registry) (default: --port + 1)",
+    )
     add_telemetry_flags(
         p,
         metrics_port_help="serve Prometheus metrics from every process: the coordinator "
         "on port P, the stage workers on P+1, P+2, ... (printed at start) "
         "(default: 0, no metrics)",
+    )
+    security = p.add_argument_group("security")
+    security.add_argument(
+        "--tls",
+        action="store_true",
+        help="TLS everywhere: a throwaway CA and a certificate per role in the run directory; the members "
+        "talk mutual TLS, clients connect with --ca-cert RUN_DIR/tls/ca.crt (printed at start)",
+    )
+    security.add_argument(
+        "--api-tokens", metavar="FILE", help="bearer tokens clients must send, one per line (default: none needed)"
+    )
+    security.add_argument(
+        "--admin-tokens",
+        metavar="FILE",
+        help="tokens that may also call ClusterStatus (default: with --api-tokens, one made in the run directory)",
     )
 
 
@@ -82,6 +114,10 @@ def _start_cluster(args: argparse.Namespace) -> LocalCluster:
             trace=args.trace,
             otlp_endpoint=args.otlp_endpoint,
             metrics_port=args.metrics_port,
+            cluster_port=args.cluster_port or (args.port + 1 if args.port else None),
+            tls=args.tls,
+            api_tokens=args.api_tokens,
+            admin_tokens=args.admin_tokens,
         )
         cluster = LocalCluster(plan, checkpoint)  # checks the split before anything starts
     print(
@@ -108,6 +144,14 @@ def _start_cluster(args: argparse.Namespace) -> LocalCluster:
             else args.otlp_endpoint or "the OTEL_EXPORTER_OTLP_* endpoint"
         )
         print(f"  traces: {args.trace}, to {where}", file=sys.stderr)
+    print(f"  stage workers register at {cluster.cluster_address}", file=sys.stderr)
+    if cluster.ca_cert is not None:
+        print(f"  TLS: clients trust {cluster.ca_cert} (export {CA_VARIABLE}={cluster.ca_cert})", file=sys.stderr)
+    if cluster.admin_tokens is not None:
+        print(
+            f"  tokens: clients send one (--token or ${TOKEN_VARIABLE}); admin tokens in {cluster.admin_tokens}",
+            file=sys.stderr,
+        )
     return cluster
 
 
@@ -122,12 +166,17 @@ def _run_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stream_answer(target: str, args: argparse.Namespace, prompt: str, *, chat: bool = False) -> int:
-    """Stream the answer to `prompt` (a chat message when `chat`) to stdout; usage to stderr at the end."""
-    from layerline.client import Client, LayerlineError
+def _client(args: argparse.Namespace) -> Client:
+    """The client the flags describe (`--target`, `--token`, `--ca-cert`, or their variables)."""
+    token, ca_cert = client_credentials(args)
+    with reported_as_errors(ValueError):
+        return Client(args.target, token=token, ca_cert=ca_cert)
 
+
+def _stream_answer(client: Client, args: argparse.Namespace, prompt: str, *, chat: bool = False) -> int:
+    """Stream the answer to `prompt` (a chat message when `chat`) to stdout; usage to stderr at the end."""
     params = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed}
-    with Client(target) as client, reported_as_errors(LayerlineError):
+    with client, reported_as_errors(LayerlineError):
         if chat:
             chunks = client.chat_stream([{"role": "user", "content": prompt}], **params)
         else:
@@ -144,12 +193,6 @@ def _stream_answer(target: str, args: argparse.Namespace, prompt: str, *, chat: 
     return 0
 
 
-def _target_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--target", default=DEFAULT_TARGET, metavar="ADDR", help="coordinator address (default: %(default)s)"
-    )
-
-
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128, metavar="N", help="tokens to generate (default: 128)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 is greedy (default: 0)")
@@ -159,20 +202,18 @@ def _sampling_flags(p: argparse.ArgumentParser) -> None:
 def _run_run(args: argparse.Namespace) -> int:
     cluster = _start_cluster(args)
     try:
-        return _stream_answer(cluster.address, args, args.prompt, chat=args.chat)
+        return _stream_answer(cluster.client(), args, args.prompt, chat=args.chat)
     finally:
         cluster.stop()
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    return _stream_answer(args.target, args, args.prompt)
+    return _stream_answer(_client(args), args, args.prompt)
 
 
 def _run_chat(args: argparse.Namespace) -> int:
-    from layerline.client import Client, LayerlineError
-
     history: list[dict[str, str]] = []
-    with Client(args.target) as client, reported_as_errors(LayerlineError):
+    with _client(args) as client, reported_as_errors(LayerlineError):
         while True:
             try:
                 line = input("you> ")
@@ -193,9 +234,7 @@ def _run_chat(args: argparse.Namespace) -> int:
 
 
 def _run_status(args: argparse.Namespace) -> int:
-    from layerline.client import Client, LayerlineError
-
-    with Client(args.target) as client, reported_as_errors(LayerlineError):
+    with _client(args) as client, reported_as_errors(LayerlineError):
         status = client.cluster()
     print(
         f"{len(status.chains)} chain(s), {status.active_requests} active, {status.queued_requests} queued, "
@@ -236,6 +275,7 @@ def _run_bench(args: argparse.Namespace) -> int:
             rounds=args.rounds,
             port=args.port,
             json_path=args.json,
+            tls=args.tls,
         )
     missed = [name for name, ok in result.within_budget.items() if not ok]
     if missed:
@@ -268,22 +308,16 @@ def add_cluster_commands(commands: Subcommands) -> None:
     run.add_argument("prompt", metavar="PROMPT")
     run.set_defaults(handler=_run_run)
     gen = commands.add_parser("generate", help="stream a completion from a running cluster")
-    gen.add_argument(
-        "--target", default=DEFAULT_TARGET, metavar="ADDR", help=f"coordinator address (default: {DEFAULT_TARGET})"
-    )
+    add_client_flags(gen, default_target=DEFAULT_TARGET)
     _sampling_flags(gen)
     gen.add_argument("prompt", metavar="PROMPT")
     gen.set_defaults(handler=_run_generate)
     chat = commands.add_parser("chat", help="chat with a running cluster (Ctrl-D ends)")
-    chat.add_argument(
-        "--target", default=DEFAULT_TARGET, metavar="ADDR", help=f"coordinator address (default: {DEFAULT_TARGET})"
-    )
+    add_client_flags(chat, default_target=DEFAULT_TARGET)
     _sampling_flags(chat)
     chat.set_defaults(handler=_run_chat)
     status = commands.add_parser("status", help="show the workers and chains of a running cluster")
-    status.add_argument(
-        "--target", default=DEFAULT_TARGET, metavar="ADDR", help=f"coordinator address (default: {DEFAULT_TARGET})"
-    )
+    add_client_flags(status, default_target=DEFAULT_TARGET)
     status.set_defaults(handler=_run_status)
     bench = commands.add_parser(
         "bench",
@@ -316,4 +350,10 @@ def add_cluster_commands(commands: Subcommands) -> None:
         help="the clusters' coordinators use P+1 to P+3, the bare relay P+10 to P+12 (default: 7179)",
     )
     bench.add_argument("--json", type=Path, metavar="FILE", help="also write the figures to FILE")
+    bench.add_argument(
+        "--tls",
+        action="store_true",
+        help="also a 2-stage cluster with TLS everywhere (port P+4), measured beside the plaintext one: "
+        "single-stream decode with TLS against without (budget >= 0.95x)",
+    )
     bench.set_defaults(handler=_run_bench)

@@ -13,9 +13,11 @@ from .support import (
     HelpFormatter,
     Subcommands,
     add_telemetry_flags,
+    add_tls_flags,
     configure_logging,
     reported_as_errors,
     telemetry_settings,
+    tls_settings,
 )
 
 # --- layerline stage ... -------------------------------------------------------------------
@@ -46,6 +48,7 @@ def _run_stage(args: argparse.Namespace) -> int:
             tp=args.tp,
             tp_timeout=args.tp_timeout,
             telemetry=telemetry_settings(args, host=args.host),
+            tls=tls_settings(args),
         )
     from layerline.model_store import ModelStoreError
     from layerline.shared.model_config import ConfigError
@@ -150,6 +153,7 @@ def add_stage_commands(commands: Subcommands) -> None:
         "time, KV blocks, pipeline bubble) at http://HOST:P/metrics "
         "(default: 0, no metrics)",
     )
+    add_tls_flags(stage, who="this stage")
     stage.set_defaults(handler=_run_stage)
 
 
@@ -181,7 +185,15 @@ def _run_coordinator(args: argparse.Namespace) -> int:
             share_prefixes=not args.no_prefix_sharing,
             prefix_cache=args.prefix_cache,
             depth=args.depth,
+            max_prompt_bytes=parse_size(args.max_prompt_bytes),
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_chat_messages=args.max_chat_messages,
             telemetry=telemetry_settings(args, host=args.host),
+            cluster_port=args.cluster_port,
+            tls=tls_settings(args),
+            api_tokens=args.api_tokens,
+            admin_tokens=args.admin_tokens,
+            max_concurrent_rpcs=args.max_concurrent_rpcs,
         )
     from layerline.coordinator.server import run_coordinator
     from layerline.model_store import ModelStoreError
@@ -265,10 +277,58 @@ def add_coordinator_commands(commands: Subcommands) -> None:
     c.add_argument(
         "--depth", type=int, metavar="N", help="micro-batches in flight per chain (default: the chain's length)"
     )
+    max_prompt = format_size(C.max_prompt_bytes)
+    c.add_argument(
+        "--max-prompt-bytes",
+        default=max_prompt,
+        metavar="SIZE",
+        help="UTF-8 bytes of a prompt, of a chat's contents together and of its rendering; checked before "
+        f"anything else is done with it, past it INVALID_ARGUMENT (default: {max_prompt})",
+    )
+    c.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        metavar="N",
+        help="tokens of a prompt or a rendered chat, past it INVALID_ARGUMENT (default: the model's context length)",
+    )
+    c.add_argument(
+        "--max-chat-messages",
+        type=int,
+        default=C.max_chat_messages,
+        metavar="N",
+        help=f"messages of one chat, past it INVALID_ARGUMENT (default: {C.max_chat_messages})",
+    )
     add_telemetry_flags(
         c,
         metrics_port_help="serve Prometheus metrics (latency histograms, requests running "
         "and waiting, failovers) at http://HOST:P/metrics (default: 0, "
         "no metrics)",
     )
+    c.add_argument(
+        "--cluster-port",
+        type=int,
+        default=C.cluster_port,
+        metavar="P",
+        help=f"the Registry's port, where stage workers register, apart from clients' (default: {C.cluster_port})",
+    )
+    c.add_argument(
+        "--max-concurrent-rpcs",
+        type=int,
+        default=C.max_concurrent_rpcs,
+        metavar="N",
+        help=f"calls served at once on each port; past it new calls are refused (default: {C.max_concurrent_rpcs})",
+    )
+    add_tls_flags(c, who="the Registry (the cluster port)")
+    tokens = c.add_argument_group(
+        "clients",
+        "With --tls-cert and --tls-key the client port serves TLS too (clients trust --tls-ca, or the CA that "
+        "signed the certificate). With tokens, every call but health needs `authorization: Bearer TOKEN`.",
+    )
+    tokens.add_argument(
+        "--api-tokens",
+        metavar="FILE",
+        help="bearer tokens clients must send, one per line (# comments); also $LAYERLINE_API_TOKENS, "
+        "comma-separated (default: none needed)",
+    )
+    tokens.add_argument("--admin-tokens", metavar="FILE", help="tokens that may also call ClusterStatus")
     c.set_defaults(handler=_run_coordinator)

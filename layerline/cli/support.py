@@ -9,11 +9,12 @@ no traceback.
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TypeAlias
 
-from layerline.shared.settings import TRACE_MODES, TelemetrySettings, configure_logging
+from layerline.shared.settings import TRACE_MODES, TelemetrySettings, TLSSettings, configure_logging
 
 __all__ = [
     "EXIT_INTERRUPTED",
@@ -21,11 +22,20 @@ __all__ = [
     "CommandError",
     "HelpFormatter",
     "Subcommands",
+    "add_client_flags",
     "add_telemetry_flags",
+    "add_tls_flags",
+    "client_credentials",
     "configure_logging",
     "reported_as_errors",
     "telemetry_settings",
+    "tls_settings",
 ]
+
+# The TLS flags' defaults, which the images' health check reads too.
+TLS_VARIABLES = {"--tls-ca": "LAYERLINE_TLS_CA", "--tls-cert": "LAYERLINE_TLS_CERT", "--tls-key": "LAYERLINE_TLS_KEY"}
+TOKEN_VARIABLE = "LAYERLINE_TOKEN"  # the client commands' default --token
+CA_VARIABLE = "LAYERLINE_CA_CERT"  # and --ca-cert
 
 Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 EXIT_USER_ERROR = 2
@@ -83,3 +93,50 @@ def telemetry_settings(args: argparse.Namespace, *, host: str) -> TelemetrySetti
         return TelemetrySettings(
             trace=args.trace, otlp_endpoint=args.otlp_endpoint, metrics_port=args.metrics_port, metrics_host=host
         )
+
+
+def add_tls_flags(p: argparse.ArgumentParser, *, who: str) -> None:
+    """`--tls-ca`, `--tls-cert`, `--tls-key`: a cluster member's certificate (`layerline certs`)."""
+    group = p.add_argument_group(
+        "mutual TLS",
+        f"With all three, {who} and every member it talks to must present a certificate signed by "
+        "the cluster's CA, whose common name is the member's role (coordinator, stage); each call is "
+        "allowed by role. Without them every member port is plaintext: a trusted network only. "
+        "`layerline certs DIR --hosts ...` writes a CA and a certificate per role.",
+    )
+    for flag, what in (
+        ("--tls-ca", "the cluster's CA certificate (PEM)"),
+        ("--tls-cert", "this process's certificate (PEM), signed by the CA"),
+        ("--tls-key", "its private key (PEM)"),
+    ):
+        variable = TLS_VARIABLES[flag]
+        group.add_argument(
+            flag, default=os.environ.get(variable), metavar="FILE", help=f"{what} (default: ${variable})"
+        )
+
+
+def tls_settings(args: argparse.Namespace) -> TLSSettings:
+    """The settings of parsed TLS flags; a partial set is a CommandError."""
+    with reported_as_errors(ValueError):
+        return TLSSettings(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)
+
+
+def add_client_flags(p: argparse.ArgumentParser, *, default_target: str) -> None:
+    """`--target`, `--token`, `--ca-cert`: how a client command reaches a coordinator."""
+    p.add_argument(
+        "--target", default=default_target, metavar="ADDR", help="coordinator address (default: %(default)s)"
+    )
+    p.add_argument(
+        "--token", metavar="TOKEN", help=f"bearer token, when the coordinator requires one (default: ${TOKEN_VARIABLE})"
+    )
+    p.add_argument(
+        "--ca-cert",
+        metavar="FILE",
+        help=f"the CA that signed the coordinator's certificate: connect with TLS (default: ${CA_VARIABLE}; "
+        "none: plaintext)",
+    )
+
+
+def client_credentials(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """(token, CA file) from the flags, else from $LAYERLINE_TOKEN and $LAYERLINE_CA_CERT."""
+    return args.token or os.environ.get(TOKEN_VARIABLE) or None, args.ca_cert or os.environ.get(CA_VARIABLE) or None
