@@ -13,6 +13,7 @@ Imports grpc and protobuf, and nothing of any service.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -96,8 +97,9 @@ async def _each_decoded(requests: AsyncIterator[object], context: _Context) -> A
         yield request
 
 
-# gRPC tells a handler's kind by inspection (a coroutine function answers once, an async generator
-# function streams), so each wrapper below is of the kind of the method it stands for.
+# gRPC tells a handler's kind by inspection (a coroutine function answers once, or streams by
+# writing to its context; an async generator function streams by yielding), so each wrapper
+# below is of the kind of the method it stands for.
 
 
 def _unary_unary(call: Callable[..., Any]) -> Callable[..., Any]:
@@ -109,6 +111,9 @@ def _unary_unary(call: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _unary_stream(call: Callable[..., Any]) -> Callable[..., Any]:
+    if not inspect.isasyncgenfunction(call):  # it writes its responses itself (health's Watch does)
+        return _unary_unary(call)
+
     async def behavior(request: object, context: _Context) -> AsyncIterator[Any]:
         await _decoded(request, context)
         async for response in call(request, context):
@@ -125,6 +130,9 @@ def _stream_unary(call: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _stream_stream(call: Callable[..., Any]) -> Callable[..., Any]:
+    if not inspect.isasyncgenfunction(call):  # it writes its responses itself
+        return _stream_unary(call)
+
     async def behavior(requests: AsyncIterator[object], context: _Context) -> AsyncIterator[Any]:
         async for response in call(_each_decoded(requests, context), context):
             yield response

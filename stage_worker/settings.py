@@ -48,6 +48,8 @@ class StageSettings:
             raise ValueError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.weight_layout not in WEIGHT_LAYOUTS:
             raise ValueError(f"--weight-layout {self.weight_layout!r} is not one of {', '.join(WEIGHT_LAYOUTS)}")
+        if self.max_concurrent_rpcs < 1:
+            raise ValueError(f"--max-concurrent-rpcs {self.max_concurrent_rpcs} must be at least 1")
         if self.tp < 1:
             raise ValueError(f"--tp {self.tp} must be at least 1")
         for name in ("threads", "prefill_threads"):

@@ -347,3 +347,87 @@ def test_a_register_past_max_workers_is_resource_exhausted() -> None:
 
     registered, code, details = asyncio.run(main())
     assert registered and code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_workers = 1" in details, details
+
+
+def test_the_maintenance_and_probe_loops_outlive_a_failing_round(caplog: pytest.LogCaptureFixture) -> None:
+    """A round that raises is logged and the loop goes on; a dead loop would freeze routing."""
+    from layerline.coordinator import server
+
+    class Flaky:
+        def __init__(self) -> None:
+            self.rounds = 0
+
+        def refresh(self) -> None:
+            self.rounds += 1
+            if self.rounds == 1:
+                raise RuntimeError("a worker answered nonsense")
+
+        async def probe_workers(self, *, every: float) -> None:
+            self.refresh()
+
+    async def run() -> tuple[int, int]:
+        maintained, probed = Flaky(), Flaky()
+        tasks = [
+            asyncio.create_task(server._maintain(maintained)),  # type: ignore[arg-type]
+            asyncio.create_task(server._probe(probed, every=15.0)),  # type: ignore[arg-type]
+        ]
+        await asyncio.sleep(0.7)
+        for task in tasks:
+            task.cancel()
+        return maintained.rounds, probed.rounds
+
+    maintained, probed = asyncio.run(run())
+    assert maintained >= 3 and probed >= 3
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [
+        "maintenance round failed",
+        "probe round failed",
+    ]
+
+
+@pytest.mark.cluster
+def test_a_server_past_its_concurrent_calls_refuses_new_ones() -> None:
+    """--max-concurrent-rpcs: a coordinator process bounded to one call refuses a second."""
+    import subprocess
+    import sys
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from .stage_client import free_port
+
+    port, cluster_port = free_port(), free_port()
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "layerline",
+            "coordinator",
+            "--port",
+            str(port),
+            "--cluster-port",
+            str(cluster_port),
+            "--max-concurrent-rpcs",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    break
+                except grpc.RpcError:
+                    assert time.monotonic() < deadline, "the coordinator did not start"
+                    time.sleep(0.2)
+            watch = health.Watch(health_pb2.HealthCheckRequest())  # holds the one call
+            next(watch)
+            with pytest.raises(grpc.RpcError) as refused:
+                health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            watch.cancel()
+    finally:
+        process.terminate()
+        process.wait(30)

@@ -49,6 +49,7 @@ def _run_stage(args: argparse.Namespace) -> int:
             tp_timeout=args.tp_timeout,
             telemetry=telemetry_settings(args, host=args.host),
             tls=tls_settings(args),
+            max_concurrent_rpcs=args.max_concurrent_rpcs,
         )
     from layerline.model_store import ModelStoreError
     from layerline.shared.model_config import ConfigError
@@ -152,6 +153,13 @@ def add_stage_commands(commands: Subcommands) -> None:
         metrics_port_help="serve Prometheus metrics (step time, hop bytes and transfer "
         "time, KV blocks, pipeline bubble) at http://HOST:P/metrics "
         "(default: 0, no metrics)",
+    )
+    stage.add_argument(
+        "--max-concurrent-rpcs",
+        type=int,
+        default=S.max_concurrent_rpcs,
+        metavar="N",
+        help=f"calls served at once; past it new calls are refused (default: {S.max_concurrent_rpcs})",
     )
     add_tls_flags(stage, who="this stage")
     stage.set_defaults(handler=_run_stage)
