@@ -1,0 +1,322 @@
+"""Test hosts on real links: network namespaces joined through a bridge, with a rate and a delay.
+
+    sudo python -m layerline.bench.netlab demo     # make two hosts, ping across, remove them
+
+Owns `NetLab`, which makes (as root, with `ip` and `tc`):
+- a switch: a namespace holding one bridge, so nothing is added to the machine's own network;
+- hosts: one namespace each, joined to the bridge by a veth pair, with an address of the lab's
+  /24 and, when asked, a rate (`tbf` on both ends of the pair: each direction is shaped);
+- a relay host (`relay.py`) for delay, which these kernels cannot add (no `sch_netem`): a member
+  dials the relay's port for a peer and every byte reaches it one delay later, each direction;
+- processes started inside a host, and cutting a host's link (`ip link set down`) and mending it.
+Everything it made is removed by `close()` (a context manager's exit, so also when a test fails).
+Addresses stay inside the namespaces it made; nothing else is contacted. `unavailable()` says why
+a machine cannot run it (not root, no `ip`, namespaces refused), for tests to skip with.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+from layerline.shared.certs import CertFiles, write_cluster_certs
+
+from .relay import Route
+
+RELAY_PORTS = itertools.count(20000)
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    namespace: str
+    address: str  # on the lab's bridge
+    interface: str  # its end of the veth pair (inside `namespace`)
+
+
+@dataclass
+class NetLab:
+    """Hosts on one bridge; close it (or use it as a context manager) to remove everything."""
+
+    subnet: str = "10.77.0"  # the lab's /24
+    tag: str = field(default_factory=lambda: secrets.token_hex(2))  # keeps labs apart, names short
+    hosts: dict[str, Host] = field(default_factory=dict)
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    relay_host: Host | None = None
+    relay_routes: list[Route] = field(default_factory=list)
+    _relay: subprocess.Popen[bytes] | None = None
+    _switch: str = ""
+
+    def __post_init__(self) -> None:
+        self._switch = f"ll{self.tag}-switch"
+        _ip("netns", "add", self._switch)
+        _ip("-n", self._switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self._switch, "link", "set", "br0", "up")
+
+    def __enter__(self) -> NetLab:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def host(self, name: str, *, rate_mbit: float | None = None) -> Host:
+        """A new host on the bridge, its link shaped to `rate_mbit` each way when given."""
+        index = len(self.hosts) + 1
+        namespace, inside, outside = f"ll{self.tag}-{name}", f"v{self.tag}h{index}", f"v{self.tag}s{index}"
+        host = Host(name, namespace, f"{self.subnet}.{index}", inside)
+        _ip("netns", "add", namespace)
+        self.hosts[name] = host  # from here on, close() removes it
+        _ip("link", "add", inside, "netns", namespace, "type", "veth", "peer", "name", outside, "netns", self._switch)
+        _ip("-n", namespace, "addr", "add", f"{host.address}/24", "dev", inside)
+        for link in (inside, "lo"):
+            _ip("-n", namespace, "link", "set", link, "up")
+        _ip("-n", self._switch, "link", "set", outside, "master", "br0")
+        _ip("-n", self._switch, "link", "set", outside, "up")
+        if rate_mbit is not None:
+            self.shape(host, rate_mbit)
+        return host
+
+    def shape(self, host: Host, rate_mbit: float) -> None:
+        """Limit `host`'s link to `rate_mbit` in each direction (`tbf` on both ends of its pair)."""
+        index = list(self.hosts).index(host.name) + 1
+        # A burst of a few ms of the rate, at least a jumbo frame: tbf needs one whole packet.
+        burst = max(int(rate_mbit * 1e6 / 8 * 0.004), 64 << 10)
+        for namespace, device in ((host.namespace, host.interface), (self._switch, f"v{self.tag}s{index}")):
+            command = ["tc", "-n", namespace, "qdisc", "replace", "dev", device, "root", "tbf"]
+            _run([*command, "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "100ms"])
+
+    def relay(self, routes: Sequence[tuple[Host, int, float]]) -> list[str]:
+        """Start (or restart) the relay: for each (host, port, one-way delay in ms) the address to
+        dial instead of `host:port`. Connections open through the relay before are cut."""
+        if self.relay_host is None:
+            self.relay_host = self.host("relay")
+        self.relay_routes = [Route(next(RELAY_PORTS), h.address, port, delay / 1000) for h, port, delay in routes]
+        if self._relay is not None:
+            _stop(self._relay)
+        self._relay = self.popen(
+            self.relay_host,
+            [sys.executable, "-m", "layerline.bench.relay", self.relay_host.address, *map(str, self.relay_routes)],
+            stdout=subprocess.PIPE,
+        )
+        assert self._relay.stdout is not None
+        self._relay.stdout.readline()  # it prints once every port listens
+        return [f"{self.relay_host.address}:{r.port}" for r in self.relay_routes]
+
+    def command(self, host: Host, argv: Sequence[str]) -> list[str]:
+        """`argv` as run inside `host`."""
+        return ["ip", "netns", "exec", host.namespace, *argv]
+
+    def popen(self, host: Host, argv: Sequence[str], **kwargs: object) -> subprocess.Popen[bytes]:
+        """Start `argv` inside `host`; stopped by `close()` if still running."""
+        process = subprocess.Popen(self.command(host, argv), **kwargs)  # type: ignore[call-overload]
+        self.processes.append(process)
+        return process
+
+    def run(self, host: Host, argv: Sequence[str], *, timeout: float) -> subprocess.CompletedProcess[str]:
+        """Run `argv` inside `host` to its end; its output as text."""
+        return subprocess.run(self.command(host, argv), capture_output=True, text=True, timeout=timeout)
+
+    def cut(self, host: Host) -> None:
+        """Take `host`'s link down: its peers hear nothing more, and no error, from it."""
+        _ip("-n", host.namespace, "link", "set", host.interface, "down")
+
+    def mend(self, host: Host) -> None:
+        _ip("-n", host.namespace, "link", "set", host.interface, "up")
+
+    def reachable(self, source: Host, target: Host, *, timeout: float = 2.0) -> bool:
+        """Whether a TCP connection from `source` to `target` gets any answer within `timeout`
+        (a refusal is an answer: no listener is needed; these hosts have no `ping`)."""
+        probe = self.run(source, [sys.executable, "-c", _REACH, target.address, str(timeout)], timeout=timeout + 30)
+        return probe.returncode == 0
+
+    def close(self) -> None:
+        """Stop every process started here and remove every namespace (their links go with them)."""
+        for process in reversed([*self.processes, *([self._relay] if self._relay else [])]):
+            _stop(process)
+        for namespace in [h.namespace for h in self.hosts.values()] + [self._switch]:
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
+        self.hosts.clear()
+
+
+@dataclass
+class LabCluster:
+    """A coordinator and chains of stage workers, each process on a lab host of its own choosing.
+
+    Every member is dialled through the lab's relay (`delay_ms` each way, each connection): a
+    stage binds its host's address and advertises the relay's, and registers through it; with
+    `tls`, the lab makes a CA whose certificates name every host and the relay.
+    """
+
+    lab: NetLab
+    checkpoint: Path
+    coordinator: Host
+    chains: list[list[tuple[Host, str]]]  # each replica's stages: (host, "START:END")
+    delay_ms: float = 0.0
+    tls: bool = True
+    log_dir: Path = field(default_factory=lambda: Path("/tmp") / f"layerline-netlab-{os.getpid()}")
+    stage_args: tuple[str, ...] = ("--threads", "1", "--kv-memory", "32M")
+    certs: CertFiles | None = None
+    target: str = ""  # the coordinator's client port, as clients dial it
+    advertised: dict[str, str] = field(default_factory=dict)  # stage host name -> the address it advertises
+
+    def start(self) -> None:
+        lab = self.lab
+        if lab.relay_host is None:
+            lab.relay_host = lab.host("relay")
+        stages = [host for chain in self.chains for host, _ in chain]
+        dialled = lab.relay(
+            [(self.coordinator, 7070, self.delay_ms), (self.coordinator, 7071, self.delay_ms)]
+            + [(host, 7100, self.delay_ms) for host in stages]
+        )
+        self.target, registry, *stage_addresses = dialled
+        self.advertised = {host.name: address for host, address in zip(stages, stage_addresses)}
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self.tls:
+            names = [h.address for h in lab.hosts.values()]
+            self.certs = write_cluster_certs(self.log_dir / "tls", names, force=True)
+        model = ["--model", str(self.checkpoint)]
+        ports = ["--host", self.coordinator.address, "--port", "7070", "--cluster-port", "7071"]
+        self._spawn(self.coordinator, "coordinator", ["coordinator", *model, *ports, *self._tls("coordinator")])
+        for host, layers in (member for chain in self.chains for member in chain):
+            argv = ["stage", *model, "--layers", layers, "--host", host.address, "--port", "7100"]
+            argv += ["--advertise", self.advertised[host.name], "--coordinator", registry, *self.stage_args]
+            self._spawn(host, f"stage-{host.name}", [*argv, *self._tls("stage")])
+
+    def client(self, prompts: Sequence[str], *, max_tokens: int, script: Path) -> subprocess.Popen[str]:
+        """`script` (tests/netlab_client.py) run on the coordinator's host against this cluster."""
+        args = {"target": self.target, "prompts": list(prompts), "max_tokens": max_tokens, "chains": len(self.chains)}
+        if self.certs is not None:
+            args["ca_cert"] = str(self.certs.ca)
+        process = subprocess.Popen(
+            self.lab.command(self.coordinator, [sys.executable, str(script), json.dumps(args)]),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        return process
+
+    def _tls(self, role: str) -> list[str]:
+        if self.certs is None:
+            return []
+        return [
+            "--tls-ca",
+            str(self.certs.ca),
+            "--tls-cert",
+            str(self.certs.cert(role)),
+            "--tls-key",
+            str(self.certs.key(role)),
+        ]
+
+    def _spawn(self, host: Host, name: str, argv: list[str]) -> None:
+        log = (self.log_dir / f"{name}.log").open("wb")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.lab.popen(host, [sys.executable, "-m", "layerline", *argv], stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def logs(self) -> str:
+        """The tail of every process's log, for a failure's message."""
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-1500:]}" for p in self.log_dir.glob("*.log"))
+
+
+def unavailable() -> str | None:
+    """Why this machine cannot make test hosts, or None when it can."""
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "`ip` and `tc` (iproute2) are needed"
+    if os.geteuid() != 0:
+        return "making network namespaces needs root"
+    probe = f"ll{secrets.token_hex(2)}-probe"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"`ip netns add` failed: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _ip(*args: str) -> None:
+    _run(["ip", *args])
+
+
+def _run(command: list[str]) -> None:
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)}: {done.stderr.strip()}")
+
+
+def _stop(process: subprocess.Popen[bytes], grace: float = 10.0) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(grace)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`demo`: two hosts and a relay of 5 ms; time round trips across it, then remove all."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args != ["demo"]:
+        print(__doc__, file=sys.stderr)
+        return 2
+    reason = unavailable()
+    if reason is not None:
+        print(f"cannot make test hosts here: {reason}", file=sys.stderr)
+        return 1
+    with NetLab() as lab:
+        a, b = lab.host("a", rate_mbit=100), lab.host("b", rate_mbit=100)
+        print(f"hosts {a.address} and {b.address} on one bridge, 100 Mbit/s each; a reaches b: {lab.reachable(a, b)}")
+        echo = lab.popen(b, [sys.executable, "-c", _ECHO, b.address, "7000"])
+        time.sleep(0.5)
+        direct = lab.run(a, [sys.executable, "-c", _PING, b.address, "7000"], timeout=60)
+        print(f"straight to {b.name}: {direct.stdout.strip()}")
+        (via,) = lab.relay([(b, 7000, 5.0)])
+        timed = lab.run(a, [sys.executable, "-c", _PING, *via.split(":")], timeout=60)
+        print(f"through the relay to {b.name} (5 ms each way): {timed.stdout.strip()}")
+        echo.terminate()
+    print("removed every namespace")
+    return 0
+
+
+# A TCP echo server, a client that times 50 round trips of 64 bytes (medians in ms), and a probe
+# that exits 0 when a connection to port 9 gets an answer (accepted or refused) in time.
+_ECHO = """
+import socket, sys
+s = socket.create_server((sys.argv[1], int(sys.argv[2])))
+while True:
+    c, _ = s.accept()
+    while d := c.recv(65536):
+        c.sendall(d)
+"""
+_PING = """
+import socket, statistics, sys, time
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+times = []
+for _ in range(50):
+    t = time.perf_counter(); c.sendall(b"x" * 64); n = 0
+    while n < 64:
+        n += len(c.recv(64))
+    times.append(1000 * (time.perf_counter() - t))
+print(f"median round trip {statistics.median(times):.2f} ms")
+"""
+_REACH = """
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], 9), timeout=float(sys.argv[2])).close()
+except ConnectionRefusedError:
+    pass
+except OSError:
+    sys.exit(1)
+"""
+
+if __name__ == "__main__":
+    sys.exit(main())
