@@ -7,8 +7,9 @@ a member dials the relay's address instead of its peer's, and every byte goes on
 `DELAY_MS` after it arrived, in both directions; bandwidth stays the links' own (`tbf`). Bytes
 are never buffered longer than the delay, so a relay adds the delay and the cost of one more
 local copy, nothing else (`tests/test_netlab.py` measures it); a reader slower than its link
-holds the relay back after `MAX_QUEUED_CHUNKS`, as a full socket would. Knows nothing of gRPC or
-TLS: it relays bytes, so TLS runs end to end through it.
+holds the relay back after `MAX_QUEUED_CHUNKS`, as a full socket would. Opening a connection is
+not delayed (gRPC keeps its connections open, so only the bytes on them matter here). Knows
+nothing of gRPC or TLS: it relays bytes, so TLS runs end to end through it.
 """
 
 from __future__ import annotations
