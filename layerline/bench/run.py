@@ -42,11 +42,11 @@ LONG_PROMPT = " ".join(
     f"Rule {i}: answer briefly, mention the price of bread number {i} when asked, and stay polite." for i in range(14)
 )
 BUDGETS = {  # ratio name -> the least it may be (DESIGN.md, performance budgets)
-    "single_stream_1_stage_vs_transformers": 1.3,
+    "single_stream_1_stage_vs_transformers": 1.8,
     "single_stream_2_stages_vs_1_stage": 0.9,
-    "concurrent_32_vs_transformers_batch_32": 1.0,
+    "concurrent_32_vs_transformers_batch_32": 1.8,
 }
-MAX_ADDED_MS_PER_HOP = 1.0
+MAX_HOP_VS_RELAY = 1.5  # an extra hop may add at most this many times the bare relay's time
 TLS_RATIO = "single_stream_2_stages_tls_vs_plaintext"  # with --tls: TLS everywhere against plaintext
 MIN_TLS_RATIO = 0.95
 
@@ -345,7 +345,8 @@ def run_bench(
     budgets = {**BUDGETS, TLS_RATIO: MIN_TLS_RATIO} if tls else BUDGETS
     result.within_budget = {k: result.ratios[k] >= least for k, least in budgets.items()}
     result.within_budget["added_ms_per_extra_hop_per_token"] = (
-        result.ratios["added_ms_per_extra_hop_per_token"] <= MAX_ADDED_MS_PER_HOP
+        result.ratios["added_ms_per_extra_hop_per_token"]
+        <= MAX_HOP_VS_RELAY * result.ratios["added_ms_per_extra_hop_per_token_bare_relay"]
     )
     text = json.dumps(asdict(result), indent=2)
     if json_path is not None:

@@ -263,6 +263,35 @@ def _run_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _numbers(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+
+
+def _run_bench_links(args: argparse.Namespace) -> int:
+    from layerline.bench.links import run_links
+    from layerline.model_store import ModelStoreError, resolve_model
+
+    with reported_as_errors(ModelStoreError, RuntimeError):
+        points = run_links(
+            resolve_model(args.model),
+            args.out,
+            delays_ms=args.delays,
+            rates_mbit=args.rates,
+            tokens=args.new_tokens,
+            rounds=args.rounds,
+            dtype=args.dtype,
+            log=lambda m: print(f"[links] {m}", file=sys.stderr, flush=True),
+        )
+    from layerline.bench.links import table
+
+    print(table(points), end="")
+    print(f"[links] wrote {args.out / 'links.md'} and {args.out / 'links.png'}", file=sys.stderr)
+    return 0
+
+
 def _run_bench(args: argparse.Namespace) -> int:
     from layerline.bench.run import run_bench
     from layerline.model_store import ModelStoreError, resolve_model
@@ -357,3 +386,36 @@ def add_cluster_commands(commands: Subcommands) -> None:
         "single-stream decode with TLS against without (budget >= 0.95x)",
     )
     bench.set_defaults(handler=_run_bench)
+    studies = bench.add_subparsers(dest="study", metavar="STUDY")
+    links = studies.add_parser(
+        "links",
+        help="a 2-stage chain across two hosts at several link delays and rates (needs root)",
+        description="Run a 2-stage chain across two test hosts (network namespaces joined by a bridge; "
+        "needs root, ip and tc): host A the coordinator and layers 0:19, host B layers 19:30, the link "
+        "shaped to each rate (tbf) and delayed by each one-way delay (a relay that holds each "
+        "direction's bytes). Measures single-stream decode tokens/s, 8-stream aggregate tokens/s and "
+        "the first token of a 512-token prompt, and the whole model on one host; writes links.md "
+        "(a table), links.png (tokens/s against delay) and links.json to --out.",
+        formatter_class=HelpFormatter,
+    )
+    _model_flags(links)
+    links.add_argument(
+        "--delays",
+        type=_numbers,
+        default=[0, 1, 5, 20],
+        metavar="MS,...",
+        help="one-way delays, ms (default: 0,1,5,20)",
+    )
+    links.add_argument(
+        "--rates", type=_numbers, default=[100, 1000], metavar="MBIT,...", help="link rates, Mbit/s (default: 100,1000)"
+    )
+    links.add_argument("--new-tokens", type=int, default=32, metavar="N", help="tokens per stream (default: 32)")
+    links.add_argument("--rounds", type=int, default=3, metavar="N", help="medians of N rounds (default: 3)")
+    links.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench-links"),
+        metavar="DIR",
+        help="where the table and the plot go (default: bench-links)",
+    )
+    links.set_defaults(handler=_run_bench_links)
