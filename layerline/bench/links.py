@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -80,13 +81,17 @@ def run_links(
         ports = ["--port", "7070", "--cluster-port", "7071", "--prefix-cache", "0"]
         spawn(a, "coordinator", ["coordinator", "--host", a.address, *ports])
 
+        # The two hosts share this machine's cores: each stage decodes on its share, and takes all
+        # of them for a prompt's chunk, when the other stage waits for it (as `layerline up` does).
+        cores = os.cpu_count() or 1
+
         def stage(host: Host, layers: str, port: int, threads: int, *extra: str) -> subprocess.Popen[bytes]:
             argv = ["stage", "--layers", layers, "--host", host.address, "--port", str(port), "--dtype", dtype]
-            argv += ["--coordinator", registry, "--threads", str(threads), *extra]
+            argv += ["--coordinator", registry, "--threads", str(threads), "--prefill-threads", str(cores), *extra]
             return spawn(host, f"stage-{host.name}", argv)
 
-        log("one host: the whole model on host A ...")
-        whole = stage(a, "0:30", 7090, 2)  # both cores, as the two stages have one each
+        log(f"one host: the whole model on host A ({cores} threads) ...")
+        whole = stage(a, "0:30", 7090, cores)
         points.append(_measure(lab, a, target, None, 0.0, tokens=tokens, rounds=rounds))
         _stop_all([whole])
         for rate in rates_mbit:
@@ -95,7 +100,8 @@ def run_links(
             for delay in delays_ms:
                 (via,) = lab.relay([(b, 7100, delay)])
                 log(f"{rate:g} Mbit/s, {delay:g} ms each way ...")
-                pair = [stage(a, "0:19", 7100, 1), stage(b, "19:30", 7100, 1, "--advertise", via)]
+                share = max(1, cores // 2)
+                pair = [stage(a, "0:19", 7100, share), stage(b, "19:30", 7100, share, "--advertise", via)]
                 point = _measure(lab, a, target, rate, delay, tokens=tokens, rounds=rounds)
                 wire_ms = 1000 * point.long_prompt_tokens * width * 8 / (rate * 1e6)
                 points.append(replace(point, prompt_wire_ms=wire_ms))

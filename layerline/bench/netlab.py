@@ -1,6 +1,8 @@
 """Test hosts on real links: network namespaces joined through a bridge, with a rate and a delay.
 
-    sudo python -m layerline.bench.netlab demo     # make two hosts, ping across, remove them
+    sudo python -m layerline.bench.netlab demo                       # two hosts, a relay, round trips
+    sudo python -m layerline.bench.netlab hosts coord,s0,s1 --rate 1000 --relay s1:7100:5
+                                                                    # keep hosts until Ctrl-C
 
 Owns `NetLab`, which makes (as root, with `ip` and `tc`):
 - a switch: a namespace holding one bridge, so nothing is added to the machine's own network;
@@ -16,11 +18,13 @@ a machine cannot run it (not root, no `ip`, namespaces refused), for tests to sk
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -262,15 +266,59 @@ def _stop(process: subprocess.Popen[bytes], grace: float = 10.0) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`demo`: two hosts and a relay of 5 ms; time round trips across it, then remove all."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args != ["demo"]:
-        print(__doc__, file=sys.stderr)
-        return 2
+    """`demo`, or `hosts`: make hosts and keep them until Ctrl-C, for a user's own experiments."""
+    parser = argparse.ArgumentParser(
+        prog="python -m layerline.bench.netlab",
+        description="Test hosts: network namespaces joined by a bridge, with a rate and a delay (needs root).",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("demo", help="two hosts and a 5 ms relay: time round trips across it, then remove all")
+    hosts = commands.add_parser(
+        "hosts",
+        help="make hosts, print how to run commands in them, remove them on Ctrl-C",
+        description="Make the named hosts on one bridge, print each one's address and how to run a command "
+        "inside it (ip netns exec), and keep them until Ctrl-C or SIGTERM, then remove everything.",
+    )
+    hosts.add_argument("names", help="comma-separated host names, e.g. coord,s0,s1")
+    hosts.add_argument("--rate", type=float, metavar="MBIT", help="shape every host's link to MBIT Mbit/s each way")
+    hosts.add_argument(
+        "--relay",
+        action="append",
+        default=[],
+        metavar="HOST:PORT:MS",
+        help="dial HOST:PORT through a relay that delays each direction by MS (repeatable); prints the address",
+    )
+    args = parser.parse_args(argv)
     reason = unavailable()
     if reason is not None:
         print(f"cannot make test hosts here: {reason}", file=sys.stderr)
         return 1
+    if args.command == "demo":
+        return _demo()
+    with NetLab() as lab:
+        for name in args.names.split(","):
+            host = lab.host(name.strip(), rate_mbit=args.rate)
+            print(f"{host.name}: {host.address}    run inside: ip netns exec {host.namespace} COMMAND")
+        routes = []
+        for spec in args.relay:
+            name, _, rest = spec.partition(":")
+            port, _, delay = rest.partition(":")
+            if name not in lab.hosts or not port.isdigit() or not delay.replace(".", "", 1).isdigit():
+                parser.error(f"--relay {spec!r}: not HOST:PORT:MS with HOST one of {', '.join(lab.hosts)}")
+            routes.append((lab.hosts[name], int(port), float(delay)))
+        for (host, port, delay), via in zip(routes, lab.relay(routes) if routes else []):
+            print(f"{host.name}:{port} with {delay:g} ms each way: dial {via}")
+        print("Ctrl-C removes every host", flush=True)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C
+        try:
+            signal.pause()
+        except KeyboardInterrupt:
+            pass
+    print("removed every namespace")
+    return 0
+
+
+def _demo() -> int:
     with NetLab() as lab:
         a, b = lab.host("a", rate_mbit=100), lab.host("b", rate_mbit=100)
         print(f"hosts {a.address} and {b.address} on one bridge, 100 Mbit/s each; a reaches b: {lab.reachable(a, b)}")

@@ -1,0 +1,134 @@
+"""`layerline bench` and `layerline bench links`: speed as ratios in one run, and what a link does."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .cluster import add_model_flags
+from .support import HelpFormatter, Subcommands, reported_as_errors
+
+
+def _numbers(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+
+
+def _run_bench_links(args: argparse.Namespace) -> int:
+    from layerline.bench.links import run_links
+    from layerline.model_store import ModelStoreError, resolve_model
+
+    with reported_as_errors(ModelStoreError, RuntimeError):
+        points = run_links(
+            resolve_model(args.model),
+            args.out,
+            delays_ms=args.delays,
+            rates_mbit=args.rates,
+            tokens=args.new_tokens,
+            rounds=args.rounds,
+            dtype=args.dtype,
+            log=lambda m: print(f"[links] {m}", file=sys.stderr, flush=True),
+        )
+    from layerline.bench.links import table
+
+    print(table(points), end="")
+    print(f"[links] wrote {args.out / 'links.md'} and {args.out / 'links.png'}", file=sys.stderr)
+    return 0
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from layerline.bench.run import run_bench
+    from layerline.model_store import ModelStoreError, resolve_model
+
+    with reported_as_errors(ModelStoreError, RuntimeError, TimeoutError):
+        result = run_bench(
+            resolve_model(args.model),
+            dtype=args.dtype,
+            new_tokens=args.new_tokens,
+            rounds=args.rounds,
+            port=args.port,
+            json_path=args.json,
+            tls=args.tls,
+        )
+    missed = [name for name, ok in result.within_budget.items() if not ok]
+    if missed:
+        print(f"[bench] outside budget: {', '.join(missed)}", file=sys.stderr)
+    return 0
+
+
+def add_bench_commands(commands: Subcommands) -> None:
+    """`layerline bench [links]`."""
+    bench = commands.add_parser(
+        "bench",
+        help="measure decode speed against transformers, as ratios, and print JSON",
+        description="Measure, in one run on this machine: transformers' generate (single stream "
+        "and batch 32) as the baseline, and local clusters of 1 and 2 stages and "
+        "of 1 stage at tp 3: time "
+        "to first token and decode tokens/s of one stream, and aggregate tokens/s at "
+        "1, 8 and 32 concurrent streams. Measurements are interleaved in rounds and "
+        "the medians kept. Then the same extra hop through a bare gRPC relay of the "
+        "model's matmuls, as this machine's floor for that figure. Prints the figures, "
+        "the ratios and whether each is within DESIGN.md's budget. Needs transformers "
+        "(the test extra).",
+        formatter_class=HelpFormatter,
+    )
+    add_model_flags(bench)
+    bench.add_argument("--new-tokens", type=int, default=64, metavar="N", help="tokens per stream (default: 64)")
+    bench.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        metavar="N",
+        help="interleaved rounds; the median of each figure is kept (default: 5)",
+    )
+    bench.add_argument(
+        "--port",
+        type=int,
+        default=7179,
+        metavar="P",
+        help="the clusters' coordinators use P+1 to P+3, the bare relay P+10 to P+12 (default: 7179)",
+    )
+    bench.add_argument("--json", type=Path, metavar="FILE", help="also write the figures to FILE")
+    bench.add_argument(
+        "--tls",
+        action="store_true",
+        help="also a 2-stage cluster with TLS everywhere (port P+4), measured beside the plaintext one: "
+        "single-stream decode with TLS against without (budget >= 0.95x)",
+    )
+    bench.set_defaults(handler=_run_bench)
+    studies = bench.add_subparsers(dest="study", metavar="STUDY")
+    links = studies.add_parser(
+        "links",
+        help="a 2-stage chain across two hosts at several link delays and rates (needs root)",
+        description="Run a 2-stage chain across two test hosts (network namespaces joined by a bridge; "
+        "needs root, ip and tc): host A the coordinator and layers 0:19, host B layers 19:30, the link "
+        "shaped to each rate (tbf) and delayed by each one-way delay (a relay that holds each "
+        "direction's bytes). Measures single-stream decode tokens/s, 8-stream aggregate tokens/s and "
+        "the first token of a 512-token prompt, and the whole model on one host; writes links.md "
+        "(a table), links.png (tokens/s against delay) and links.json to --out.",
+        formatter_class=HelpFormatter,
+    )
+    add_model_flags(links)
+    links.add_argument(
+        "--delays",
+        type=_numbers,
+        default=[0, 1, 5, 20],
+        metavar="MS,...",
+        help="one-way delays, ms (default: 0,1,5,20)",
+    )
+    links.add_argument(
+        "--rates", type=_numbers, default=[100, 1000], metavar="MBIT,...", help="link rates, Mbit/s (default: 100,1000)"
+    )
+    links.add_argument("--new-tokens", type=int, default=32, metavar="N", help="tokens per stream (default: 32)")
+    links.add_argument("--rounds", type=int, default=3, metavar="N", help="medians of N rounds (default: 3)")
+    links.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench-links"),
+        metavar="DIR",
+        help="where the table and the plot go (default: bench-links)",
+    )
+    links.set_defaults(handler=_run_bench_links)
