@@ -20,7 +20,7 @@ from layerline.protos.v1 import coordinator_pb2
 from layerline.shared.model_config import ModelConfig
 from layerline.shared.routes import new_key
 from layerline.shared.rpc import listen_on, server_options
-from layerline.shared.services import add_servicer
+from layerline.shared.services import add_servicer, health_only_server
 from layerline.shared.telemetry import Telemetry
 from layerline.shared.tls import member_files, server_credentials
 
@@ -98,6 +98,11 @@ async def serve(settings: CoordinatorSettings, *, stop: asyncio.Event | None = N
         tls.server_credentials(require_client_auth=True) if tls is not None else None,
     )
     await server.start()
+    probes = (
+        await health_only_server(health_servicer, f"{settings.host}:{settings.health_port}")
+        if settings.health_port
+        else None
+    )
     await members.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     guards = ["TLS"] * bool(tls) + ["bearer tokens"] * tokens.required
@@ -112,6 +117,8 @@ async def serve(settings: CoordinatorSettings, *, stop: asyncio.Event | None = N
         cluster_port,
         "mutual TLS" if tls else "plaintext",
     )
+    if probes is not None:
+        log.info("health alone, in plaintext, on %s:%d", settings.host, settings.health_port)
     log.info("telemetry: %s", telemetry.describe())
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -126,6 +133,8 @@ async def serve(settings: CoordinatorSettings, *, stop: asyncio.Event | None = N
     await health_servicer.enter_graceful_shutdown()
     await server.stop(settings.grace_seconds)
     await members.stop(1.0)
+    if probes is not None:
+        await probes.stop(0)
     for task in maintenance:
         task.cancel()
     await cluster.close()

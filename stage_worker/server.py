@@ -28,7 +28,7 @@ from layerline.model_store import resolve_model
 from layerline.protos.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 from layerline.shared.model_config import LayerRange, ModelConfig
 from layerline.shared.rpc import aio_channel, listen_on, server_options
-from layerline.shared.services import add_servicer
+from layerline.shared.services import add_servicer, health_only_server
 from layerline.shared.settings import to_json
 from layerline.shared.telemetry import Telemetry
 from layerline.shared.tls import member_files
@@ -174,45 +174,21 @@ class StageWorker:
         tls = member_files(s.tls)
         credentials = tls.server_credentials(require_client_auth=True) if tls is not None else None
         port = listen_on(server, f"{s.host}:{s.port}", credentials)
-        self.address = s.advertise or f"{s.host}:{port}"
+        bound = f"{s.host}:{port}"
+        self.address = s.advertise or bound
         await server.start()
+        probes = await health_only_server(self.health, f"{s.host}:{s.health_port}") if s.health_port else None
         stop = stop or asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await loop.run_in_executor(None, self.load)
-        assert self.engine is not None
-        engine = self.engine
-        layers = f"{self.layers.start}:{self.layers.end}"
         telemetry = Telemetry(s.telemetry, service=f"layerline-stage-{self.layers.start}-{self.layers.end}")
         self.member_credentials = tls.channel_credentials() if tls is not None else None
         hops = NextHops(max_message_bytes=s.max_message_bytes, credentials=self.member_credentials)
-        self.servicer = StageServicer(
-            self.engine,
-            model_id=self.model_id,
-            limits=StreamLimits(
-                codec=CodecLimits(max_tensor_bytes=s.max_tensor_bytes),
-                max_message_bytes=s.max_message_bytes,
-                max_chunk_bytes=s.max_chunk_bytes,
-                max_in_flight=s.max_in_flight,
-                max_sequences=s.max_sequences,
-            ),
-            hops=hops,
-            worker_info=self.info,
-            telemetry=StageTelemetry.of(
-                telemetry,
-                layers=layers,
-                kv_blocks=lambda: (engine.cache.blocks_total - engine.cache.blocks_free, engine.cache.blocks_free),
-            ),
-            routes=self.routes,
-            tls=tls is not None,
-        )
+        self.servicer = self._servicer(hops, telemetry, tls=tls is not None)
         proxy.target = self.servicer
-        self.state = common_pb2.WORKER_STATE_SERVING
-        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        await self.health.set("layerline.v1.StageWorker", health_pb2.HealthCheckResponse.SERVING)
-        log.info("stage %s serving on %s (model id %s, pid %d)", self.layers, self.address, self.model_id, os.getpid())
-        log.info("telemetry: %s", telemetry.describe())
+        await self._open(bound, telemetry)
         membership = asyncio.create_task(self._membership(s.coordinator)) if s.coordinator else None
         watch = asyncio.create_task(self._watch_ranks(stop)) if self.followers else None
         await stop.wait()
@@ -225,15 +201,54 @@ class StageWorker:
             membership.cancel()
             await self._deregister(s.coordinator, "draining (SIGTERM)")
         await server.stop(s.grace_seconds)
+        if probes is not None:
+            await probes.stop(0)
         await hops.close()
         if watch is not None:
             watch.cancel()
             if not self.failed:
-                await self.servicer.on_compute_thread(self.engine.stop)  # type: ignore[attr-defined]
+                await self.servicer.on_compute_thread(self.engine.stop)  # type: ignore[union-attr]  # a LeadingEngine
             tp_group.stop_followers(self.followers, grace=s.grace_seconds)
         self.servicer.compute.shutdown(wait=False)
         telemetry.shutdown()  # exports the spans still buffered
         log.info("stopped")
+
+    async def _open(self, bound: str, telemetry: Telemetry) -> None:
+        """SERVING, and say where."""
+        s = self.settings
+        self.state = common_pb2.WORKER_STATE_SERVING
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set("layerline.v1.StageWorker", health_pb2.HealthCheckResponse.SERVING)
+        listening = bound if self.address == bound else f"{bound}, advertised as {self.address}"
+        log.info("stage %s serving on %s (model id %s, pid %d)", self.layers, listening, self.model_id, os.getpid())
+        if s.health_port:
+            log.info("health alone, in plaintext, on %s:%d", s.host, s.health_port)
+        log.info("telemetry: %s", telemetry.describe())
+
+    def _servicer(self, hops: NextHops, telemetry: Telemetry, *, tls: bool) -> StageServicer:
+        """The StageWorker service over the loaded engine."""
+        s, engine = self.settings, self.engine
+        assert engine is not None
+        return StageServicer(
+            engine,
+            model_id=self.model_id,
+            limits=StreamLimits(
+                codec=CodecLimits(max_tensor_bytes=s.max_tensor_bytes),
+                max_message_bytes=s.max_message_bytes,
+                max_chunk_bytes=s.max_chunk_bytes,
+                max_in_flight=s.max_in_flight,
+                max_sequences=s.max_sequences,
+            ),
+            hops=hops,
+            worker_info=self.info,
+            telemetry=StageTelemetry.of(
+                telemetry,
+                layers=f"{self.layers.start}:{self.layers.end}",
+                kv_blocks=lambda: (engine.cache.blocks_total - engine.cache.blocks_free, engine.cache.blocks_free),
+            ),
+            routes=self.routes,
+            tls=tls,
+        )
 
     async def _watch_ranks(self, stop: asyncio.Event) -> None:
         """Fail stop when a rank dies or hangs: NOT_SERVING, the other ranks killed, exit."""

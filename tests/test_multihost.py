@@ -43,6 +43,8 @@ def _answers(process: subprocess.Popen[str], cluster: LabCluster, *, timeout: fl
 
 
 def test_three_hosts_over_mutual_tls_answer_as_transformers(lab, real_model_dir, hf_greedy, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """8 concurrent greedy prompts, each stage binding one address (its host's) and advertising
+    another reachable one (the relay's), which its peers and the coordinator dial."""
     coordinator, first, last = lab.host("coord"), lab.host("s0"), lab.host("s1")
     cluster = LabCluster(
         lab, real_model_dir, coordinator, [[(first, "0:19"), (last, "19:30")]], delay_ms=DELAY_MS, log_dir=tmp_path
@@ -50,9 +52,13 @@ def test_three_hosts_over_mutual_tls_answer_as_transformers(lab, real_model_dir,
     cluster.start()
     got = _answers(cluster.client(PROMPTS, max_tokens=12, script=CLIENT), cluster)
     assert got == [hf_greedy(p, 12) for p in PROMPTS]
-    # Each stage bound its host's address and advertised the relay's, which its peers dialled.
-    assert cluster.advertised["s0"].startswith(lab.hosts["relay"].address + ":")
-    assert first.address != lab.hosts["relay"].address
+    # Each stage served on its host's address and registered the relay's, which its peers dialled.
+    registered = (tmp_path / "coordinator.log").read_text()
+    for host in (first, last):
+        assert cluster.advertised[host.name].startswith(lab.hosts["relay"].address + ":")
+        served = f"serving on {host.address}:7100, advertised as {cluster.advertised[host.name]}"
+        assert served in (tmp_path / f"stage-{host.name}.log").read_text()
+        assert f"worker {cluster.advertised[host.name]} registered" in registered
 
 
 def test_two_replicas_on_five_hosts_survive_a_cut_link(lab, real_model_dir, hf_greedy, tmp_path) -> None:  # type: ignore[no-untyped-def]
