@@ -43,6 +43,7 @@ class CoordinatorSettings:
     api_tokens: str | None = None  # a file of bearer tokens (one per line) clients must send; None: open
     admin_tokens: str | None = None  # a file of tokens that may also call ClusterStatus
     max_concurrent_rpcs: int = 1024  # calls served at once on each port; past it gRPC refuses new ones
+    health_port: int = 0  # a plaintext port serving only grpc.health.v1 (for probes that speak no TLS); 0: none
     telemetry: TelemetrySettings = field(default_factory=TelemetrySettings)  # traces, metrics; off by default
 
     def __post_init__(self) -> None:

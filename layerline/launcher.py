@@ -46,6 +46,7 @@ class ClusterPlan:
     trace: str = "off"  # every process's --trace: off, console or otlp
     otlp_endpoint: str | None = None  # every process's --otlp-endpoint
     metrics_port: int = 0  # the coordinator's --metrics-port; stage workers take the next ones; 0: none
+    health_ports: bool = False  # every process also serves plaintext health on a free --health-port
     cluster_port: int | None = None  # the coordinator's --cluster-port (stages register there); None: a free one
     tls: bool = False  # TLS everywhere: a throwaway CA and certificates in the run directory's tls/
     api_tokens: str | None = None  # the coordinator's --api-tokens file
@@ -101,6 +102,7 @@ class LocalCluster:
             )
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
         self.metrics_ports: dict[str, int] = {}  # process name -> its Prometheus port, when metrics are on
+        self.health_ports: dict[str, int] = {}  # process name -> its plaintext health port, with health_ports
         self.log_dir = plan.log_dir or Path(os.environ.get("TMPDIR", "/tmp")) / f"layerline-{os.getpid()}"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.cluster_address = f"{plan.host}:{plan.cluster_port or _free_port(plan.host)}"
@@ -208,7 +210,8 @@ class LocalCluster:
         return args + (["--admin-tokens", self.admin_tokens] if self.admin_tokens else [])
 
     def _telemetry_args(self, name: str) -> list[str]:
-        """The telemetry flags of process `name`; with metrics, each process takes the next port."""
+        """The telemetry flags of process `name`: with metrics, each process takes the next port;
+        with health ports, a free one."""
         p = self.plan
         args = ["--trace", p.trace]
         if p.otlp_endpoint:
@@ -216,6 +219,9 @@ class LocalCluster:
         if p.metrics_port:
             self.metrics_ports[name] = p.metrics_port + len(self.metrics_ports)
             args += ["--metrics-port", str(self.metrics_ports[name])]
+        if p.health_ports:
+            self.health_ports[name] = _free_port(p.host)
+            args += ["--health-port", str(self.health_ports[name])]
         return args
 
     def wait_ready(self, timeout: float = 300.0) -> ClusterStatus:

@@ -2,6 +2,8 @@
 
 Wire helpers and gRPC options (`rpc`, `wire`), sampling parameters (`sampling`), the model
 configuration (`model_config`), the error vocabulary (`errors`), settings shared by processes
-(`settings`) and the OpenTelemetry setup (`telemetry`). Imports no service (client, coordinator,
-stage worker) and never torch.
+(`settings`), the OpenTelemetry setup (`telemetry`), certificates and TLS credentials (`certs`,
+`tls`), the caller's role (`access`), route tags (`routes`), and serving a generated servicer
+with the health service beside it (`services`). Imports no service (client, coordinator, stage
+worker) and never torch.
 """

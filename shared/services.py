@@ -138,3 +138,18 @@ def _stream_stream(call: Callable[..., Any]) -> Callable[..., Any]:
             yield response
 
     return behavior
+
+
+async def health_only_server(health: object, address: str) -> grpc.aio.Server:
+    """A started plaintext server at `address` with only the standard health service `health`:
+    what an orchestrator's probes ask (Kubernetes' gRPC probes speak no TLS). It answers what the
+    process's own health service answers, and nothing else."""
+    from grpc_health.v1 import health_pb2
+
+    from .rpc import listen, server_options
+
+    server = grpc.aio.server(options=server_options(64 << 10), maximum_concurrent_rpcs=16)
+    add_servicer(server, health, health_pb2.DESCRIPTOR.services_by_name["Health"])
+    listen(server, address)
+    await server.start()
+    return server

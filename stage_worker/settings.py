@@ -42,6 +42,7 @@ class StageSettings:
     telemetry: TelemetrySettings = field(default_factory=TelemetrySettings)  # traces, metrics; off by default
     tls: TLSSettings = field(default_factory=TLSSettings)  # mutual TLS with the cluster's members; off: plaintext
     max_concurrent_rpcs: int = 256  # calls served at once; past it gRPC refuses new ones
+    health_port: int = 0  # a plaintext port serving only grpc.health.v1 (for probes that speak no TLS); 0: none
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

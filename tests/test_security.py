@@ -67,6 +67,7 @@ def secured(real_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         tls=True,
         api_tokens=str(root / "api-tokens"),
         admin_tokens=str(root / "admin-tokens"),
+        health_ports=True,
     )
     cluster = LocalCluster(plan, real_model_dir)
     cluster.start()
@@ -105,6 +106,29 @@ def test_member_ports_refuse_a_handshake_without_the_clusters_certificate(secure
             assert _health(another_ca) == unavailable, target
         with secured.channel(target, "stage") as member:
             assert _health(member) == serving, target
+
+
+def test_the_health_port_answers_health_alone_in_plaintext(secured: Secured) -> None:
+    """What Kubernetes' gRPC probes dial (they speak no TLS): SERVING, and no other service."""
+    ports = secured.cluster.health_ports
+    assert sorted(ports) == sorted(name for name, _ in secured.cluster.procs)  # the coordinator and each stage
+    for name, port in ports.items():
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as plaintext:
+            assert _health(plaintext) == health_pb2.HealthCheckResponse.SERVING, name
+            assert _other_services(plaintext) == [grpc.StatusCode.UNIMPLEMENTED] * 3, name
+
+
+def _other_services(channel: grpc.Channel) -> list[grpc.StatusCode]:
+    """The codes of a Register, an Info and a ClusterStatus call on `channel`."""
+    worker = common_pb2.WorkerInfo(address="127.0.0.1:9", num_layers=30, layer_start=0, layer_end=30)
+    registry = coordinator_pb2_grpc.RegistryStub(channel)
+    stage = stage_pb2_grpc.StageWorkerStub(channel)
+    client = coordinator_pb2_grpc.CoordinatorStub(channel)
+    return [
+        _code(lambda: registry.Register(coordinator_pb2.RegisterRequest(worker=worker), timeout=5)),
+        _code(lambda: stage.Info(stage_pb2.InfoRequest(), timeout=5)),
+        _code(lambda: client.ClusterStatus(coordinator_pb2.ClusterStatusRequest(), timeout=5)),
+    ]
 
 
 def test_each_call_is_allowed_by_the_callers_role(secured: Secured) -> None:

@@ -50,6 +50,7 @@ def _run_stage(args: argparse.Namespace) -> int:
             telemetry=telemetry_settings(args, host=args.host),
             tls=tls_settings(args),
             max_concurrent_rpcs=args.max_concurrent_rpcs,
+            health_port=args.health_port,
         )
     from layerline.model_store import ModelStoreError
     from layerline.shared.model_config import ConfigError
@@ -161,8 +162,20 @@ def add_stage_commands(commands: Subcommands) -> None:
         metavar="N",
         help=f"calls served at once; past it new calls are refused (default: {S.max_concurrent_rpcs})",
     )
+    _health_port_flag(stage)
     add_tls_flags(stage, who="this stage")
     stage.set_defaults(handler=_run_stage)
+
+
+def _health_port_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--health-port",
+        type=int,
+        default=0,
+        metavar="P",
+        help="also serve the standard gRPC health service alone, in plaintext, on this port: for probes that "
+        "speak no TLS, such as Kubernetes' gRPC probes (default: 0, none)",
+    )
 
 
 # --- layerline coordinator ----------------------------------------------------------------
@@ -202,6 +215,7 @@ def _run_coordinator(args: argparse.Namespace) -> int:
             api_tokens=args.api_tokens,
             admin_tokens=args.admin_tokens,
             max_concurrent_rpcs=args.max_concurrent_rpcs,
+            health_port=args.health_port,
         )
     from layerline.coordinator.server import run_coordinator
     from layerline.model_store import ModelStoreError
@@ -326,6 +340,7 @@ def add_coordinator_commands(commands: Subcommands) -> None:
         metavar="N",
         help=f"calls served at once on each port; past it new calls are refused (default: {C.max_concurrent_rpcs})",
     )
+    _health_port_flag(c)
     add_tls_flags(c, who="the Registry (the cluster port)")
     tokens = c.add_argument_group(
         "clients",
