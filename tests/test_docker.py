@@ -15,6 +15,8 @@ import itertools
 import json
 import re
 import shlex
+import subprocess
+import sys
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -31,6 +33,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from packaging.requirements import Requirement
 
 from layerline.cli import build_parser
+from layerline.shared.certs import CertFiles, write_cluster_certs
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
@@ -167,7 +170,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 # --- the compose file ----------------------------------------------------------------------
 
 COMPOSE = yaml.safe_load((DOCKER / "compose.yaml").read_text(encoding="utf-8"))
-SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
+# layerline's own services (built from this repository); the tracing ones run published images.
+SERVICES: dict[str, dict[str, Any]] = {n: s for n, s in COMPOSE["services"].items() if "build" in s}
 
 
 def service_argv(name: str) -> list[str]:
@@ -259,11 +263,13 @@ def test_images_run_as_the_same_unprivileged_user_owning_the_model_cache() -> No
         assert image.index("USER") < image.index("ENTRYPOINT")
         created = next(run for run in image.all("RUN") if "useradd" in run)
         useradd = shlex.split(created.partition("useradd")[2].partition("&&")[0])
-        assert useradd[-1] == user, f"{dockerfile} runs as {user} but creates {useradd[-1]}"
-        uids.add(useradd[useradd.index("--uid") + 1])
+        uid = useradd[useradd.index("--uid") + 1]
+        assert user == f"{uid}:{uid}", f"{dockerfile} runs as {user} but creates uid {uid} (numeric: DL3066)"
+        uids.add(uid)
+        name = useradd[-1]
         cache = image.variables["LAYERLINE_HOME"]
         assert json.loads(image.one("VOLUME")) == [cache], dockerfile
-        assert f"chown {user}:{user} {cache} " in " ".join(shlex.split(created)) + " ", (
+        assert f"chown {name}:{name} {cache} " in " ".join(shlex.split(created)) + " ", (
             "the volume must start owned by the user"
         )
     assert len(uids) == 1, f"both images share one cache volume: one uid, not {uids}"
@@ -436,3 +442,92 @@ def test_compose_members_talk_mutual_tls_with_their_roles_certificates_as_secret
     assert coordinator.api_tokens == "/run/secrets/api_tokens" and "api_tokens" in SERVICES["coordinator"]["secrets"]
     assert "docker/certs" in (ROOT / ".dockerignore").read_text(), "keys never enter an image's build context"
     assert "docker/certs/" in (ROOT / ".gitignore").read_text()
+
+
+def test_the_readmes_certificates_verify_every_name_a_member_is_dialled_by(tmp_path: Path) -> None:
+    """`layerline certs` with the guides' --hosts for compose, then real TLS handshakes on
+    127.0.0.1 under each name dialled: each stage's advertised service name, the coordinator's
+    service name (stages register there) and localhost (clients, through the published port)."""
+    lines = {
+        shlex.split(doc.read_text().partition("layerline certs docker/certs")[2].splitlines()[0])[1]
+        for doc in (ROOT / "README.md", ROOT / "docs" / "deploy.md")
+    }
+    assert len(lines) == 1, f"the README and the deploy guide make different certificates: {lines}"
+    hosts = lines.pop().split(",")
+    certs = write_cluster_certs(tmp_path, hosts)
+    ((coordinator_name, _),) = services_running("coordinator")
+    stages = [args.advertise.rpartition(":")[0] for _, args in services_running("stage")]
+    assert len(stages) == 2
+    dialled = [("coordinator", coordinator_name), ("coordinator", "localhost"), *(("stage", s) for s in stages)]
+    for role, name in dialled:
+        assert handshake(certs, role, name), f"the {role} certificate does not verify {name!r}"
+    assert not handshake(certs, "stage", "stage-0-30")
+
+
+def handshake(certs: CertFiles, role: str, name: str) -> bool:
+    """Whether a client of the cluster CA reaches a health service that presents `role`'s
+    certificate when it verifies the name `name`."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_secure_port("127.0.0.1:0", certs.tls_files(role).server_credentials(require_client_auth=True))
+    server.start()
+    try:
+        options = [("grpc.ssl_target_name_override", name)]
+        credentials = certs.tls_files("client").channel_credentials()
+        with grpc.secure_channel(f"127.0.0.1:{port}", credentials, options=options) as channel:
+            try:
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+                return False
+        return True
+    finally:
+        server.stop(None)
+
+
+# --- real validators ----------------------------------------------------------------------
+
+
+def _tool(name: str) -> str:
+    """A validator installed with the test extra, beside this Python."""
+    path = Path(sys.executable).parent / name
+    assert path.exists(), f"{name} is missing: install the [test] extra"
+    return str(path)
+
+
+@pytest.mark.parametrize("dockerfile", IMAGES)
+def test_hadolint_passes_every_dockerfile(dockerfile: str) -> None:
+    done = subprocess.run([_tool("hadolint"), str(ROOT / dockerfile)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_hadolint_finds_a_dockerfile_mistake(tmp_path: Path) -> None:
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM python:3.11-slim\nRUN cd /tmp && pip install grpcio\nUSER root\n")
+    done = subprocess.run([_tool("hadolint"), str(bad)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "DL3003" in done.stdout  # `cd` instead of WORKDIR
+
+
+def test_compose_file_matches_the_compose_specification(tmp_path: Path) -> None:
+    command = [_tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec"]
+    done = subprocess.run([*command, str(DOCKER / "compose.yaml")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    broken = dict(COMPOSE, services={**COMPOSE["services"], "coordinator": {**SERVICES["coordinator"], "ports": 7070}})
+    (tmp_path / "compose.yaml").write_text(yaml.safe_dump(broken))
+    done = subprocess.run([*command, str(tmp_path / "compose.yaml")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, "the schema must refuse ports that are not a list"
+
+
+def test_compose_sends_every_processs_traces_through_the_collector_to_jaeger() -> None:
+    collector = COMPOSE["services"]["otel-collector"]
+    config_path = next(v.split(":")[0] for v in collector["volumes"] if v.endswith(":/etc/otelcol/config.yaml:ro"))
+    config = yaml.safe_load((DOCKER / config_path).read_text())
+    receiver_port = int(config["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"].rpartition(":")[2])
+    assert config["service"]["pipelines"]["traces"]["exporters"] == ["otlp/jaeger"]
+    assert config["exporters"]["otlp/jaeger"]["endpoint"] == "jaeger:4317"
+    assert COMPOSE["services"]["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+    assert COMPOSE["services"]["jaeger"]["ports"] == ["127.0.0.1:16686:16686"], "the UI, on the loopback only"
+    for name in SERVICES:
+        args = parse(service_argv(name))
+        if args.command in ("coordinator", "stage"):
+            assert (args.trace, args.otlp_endpoint) == ("otlp", f"otel-collector:{receiver_port}"), name
