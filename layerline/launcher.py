@@ -194,16 +194,7 @@ class LocalCluster:
                 self._spawn(name, args, {"OMP_NUM_THREADS": str(threads)})
 
     def _tls_args(self, role: str) -> list[str]:
-        if self.certs is None:
-            return []
-        return [
-            "--tls-ca",
-            str(self.certs.ca),
-            "--tls-cert",
-            str(self.certs.cert(role)),
-            "--tls-key",
-            str(self.certs.key(role)),
-        ]
+        return self.certs.flags(role) if self.certs is not None else []
 
     def _token_args(self) -> list[str]:
         args = ["--api-tokens", self.plan.api_tokens] if self.plan.api_tokens else []

@@ -72,6 +72,10 @@ class CertFiles:
         """The files a process of `role` is given (checked: ValueError if one is missing)."""
         return TLSFiles(ca=self.ca, cert=self.cert(role), key=self.key(role))
 
+    def flags(self, role: str) -> list[str]:
+        """The `--tls-ca/--tls-cert/--tls-key` arguments of a `layerline` process of `role`."""
+        return ["--tls-ca", str(self.ca), "--tls-cert", str(self.cert(role)), "--tls-key", str(self.key(role))]
+
 
 def _checked_role(role: str) -> str:
     if role not in ROLES:

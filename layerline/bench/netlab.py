@@ -210,16 +210,7 @@ class LabCluster:
         return process
 
     def _tls(self, role: str) -> list[str]:
-        if self.certs is None:
-            return []
-        return [
-            "--tls-ca",
-            str(self.certs.ca),
-            "--tls-cert",
-            str(self.certs.cert(role)),
-            "--tls-key",
-            str(self.certs.key(role)),
-        ]
+        return self.certs.flags(role) if self.certs is not None else []
 
     def _spawn(self, host: Host, name: str, argv: list[str]) -> None:
         log = (self.log_dir / f"{name}.log").open("wb")
