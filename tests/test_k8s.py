@@ -26,6 +26,7 @@ from .test_docker import IMAGES, ROOT, handshake
 
 K8S = ROOT / "k8s"
 KUBERNETES_VERSION = "1.30.0"
+NAMESPACE = "serving"  # the guide's $NS, as a user would set it
 KNOWN_KEYS = {"apiVersion", "kind", "resources", "labels", "images", "patches"}
 
 
@@ -117,6 +118,8 @@ def test_a_broken_manifest_is_caught() -> None:
 
 def test_the_coordinator_serves_clients_members_and_probes_on_the_ports_its_flags_name() -> None:
     deployment = _by(BASE, "Deployment")["layerline-coordinator"]
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}, "never two coordinators, each with half the stages"
     container = _main(deployment)
     args = _args(container)
     assert args.command == "coordinator" and args.host == "0.0.0.0"
@@ -141,23 +144,37 @@ def test_the_coordinator_serves_clients_members_and_probes_on_the_ports_its_flag
 def test_each_stage_range_advertises_its_pod_and_registers_at_the_coordinator(objects: list[dict[str, Any]]) -> None:
     coordinator = _args(_main(_by(objects, "Deployment")["layerline-coordinator"]))
     ranges = []
-    for name, statefulset in _by(objects, "StatefulSet").items():
+    for statefulset in _by(objects, "StatefulSet").values():
         args = _args(_main(statefulset))
         ranges.append(tuple(map(int, args.layers.split(":"))))
         assert args.command == "stage" and args.model == coordinator.model
         assert args.coordinator == f"layerline-coordinator:{coordinator.cluster_port}"
         service = _by(objects, "Service")[statefulset["spec"]["serviceName"]]
         assert service["spec"]["clusterIP"] == "None", "a headless Service gives each pod its own name"
-        assert args.advertise == f"$(POD_NAME).{service['metadata']['name']}:{args.port}"
+        assert args.advertise == f"$(POD_NAME).{service['metadata']['name']}.$(POD_NAMESPACE).svc:{args.port}"
+        env = {
+            e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in _main(statefulset)["env"]
+        }
+        assert (env["POD_NAME"], env["POD_NAMESPACE"]) == ("metadata.name", "metadata.namespace")
         ports = {p["name"]: p["containerPort"] for p in _main(statefulset)["ports"]}
         assert ports == {"stage": args.port, "health": args.health_port}
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert _main(statefulset)[probe]["grpc"] == {"port": args.health_port}
         _tls_from_secret(statefulset, "layerline-stage-tls")
-        budget = _by(objects, "PodDisruptionBudget")[name]
-        assert budget["spec"]["selector"]["matchLabels"] == statefulset["spec"]["selector"]["matchLabels"]
-        assert 1 <= budget["spec"]["minAvailable"] < statefulset["spec"]["replicas"], "a drain keeps one per range"
+        assert statefulset["spec"]["replicas"] >= 2, "a range of one pod loses every chain to a drain"
     assert sorted(ranges) == [(0, 19), (19, 30)]
+    # One budget over every stage pod (the eviction API refuses a pod that two budgets select):
+    # a drain takes one stage pod at a time, so with two pods per range a whole chain remains.
+    (budget,) = _by(objects, "PodDisruptionBudget").values()
+    assert budget["spec"] == {
+        "maxUnavailable": 1,
+        "selector": {"matchLabels": {"app.kubernetes.io/component": "stage"}},
+    }
+    for statefulset in _by(objects, "StatefulSet").values():
+        labels = statefulset["spec"]["template"]["metadata"]["labels"]
+        assert labels["app.kubernetes.io/component"] == "stage"
+    coordinator_labels = _by(objects, "Deployment")["layerline-coordinator"]["spec"]["template"]["metadata"]["labels"]
+    assert coordinator_labels.get("app.kubernetes.io/component") != "stage"
 
 
 def test_the_gpu_overlay_asks_each_stage_for_a_gpu_and_shared_memory() -> None:
@@ -186,7 +203,9 @@ def test_the_deploy_guide_names_the_secrets_the_manifests_mount() -> None:
         assert f"kubectl create secret generic {secret}" in guide, secret
     hosts = shlex.split(guide.partition("layerline certs k8s-certs")[2].splitlines()[0])
     assert hosts[0] == "--hosts"
-    assert {"layerline-coordinator", "*.layerline-stage-0-19", "*.layerline-stage-19-30"} <= set(hosts[1].split(","))
+    assert {"layerline-coordinator", "*.layerline-stage-0-19.$NS.svc", "*.layerline-stage-19-30.$NS.svc"} <= set(
+        hosts[1].split(",")
+    )
 
 
 def _tls_from_secret(obj: dict[str, Any], secret: str) -> None:
@@ -207,16 +226,17 @@ def test_the_guides_certificates_verify_every_name_a_member_is_dialled_by(tmp_pa
     name the manifests dial: every pod of a range by its advertised name, the coordinator by the
     host of the stages' --coordinator. A name outside them fails the handshake."""
     guide = (ROOT / "docs" / "deploy.md").read_text()
-    hosts = shlex.split(guide.partition("layerline certs k8s-certs")[2].splitlines()[0])[1].split(",")
-    certs = write_cluster_certs(tmp_path, hosts)
+    line = guide.partition("layerline certs k8s-certs")[2].splitlines()[0].replace("$NS", NAMESPACE)
+    certs = write_cluster_certs(tmp_path, shlex.split(line)[1].split(","))
     dialled: dict[str, list[str]] = {"coordinator": [], "stage": []}
     for name, statefulset in _by(BASE, "StatefulSet").items():
         args = _args(_main(statefulset))
         pods = [f"{name}-{i}" for i in range(statefulset["spec"]["replicas"])]
-        dialled["stage"] += [args.advertise.replace("$(POD_NAME)", pod).rpartition(":")[0] for pod in pods]
+        advertised = args.advertise.replace("$(POD_NAMESPACE)", NAMESPACE)
+        dialled["stage"] += [advertised.replace("$(POD_NAME)", pod).rpartition(":")[0] for pod in pods]
         dialled["coordinator"].append(args.coordinator.rpartition(":")[0])
     assert dialled["stage"] and dialled["coordinator"] == ["layerline-coordinator"] * 2
     for role, names in dialled.items():
         for name in names:
             assert handshake(certs, role, name), f"the {role} certificate does not verify {name!r}"
-    assert not handshake(certs, "stage", "layerline-stage-0-19-0.elsewhere")
+    assert not handshake(certs, "stage", f"layerline-stage-0-19-0.layerline-stage-0-19.{NAMESPACE}-2.svc")

@@ -5,10 +5,11 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
-from layerline.bench.netlab import _ECHO, _PING, NetLab, unavailable
+from layerline.bench.netlab import _BLAST, _ECHO, _PING, _SINK, NetLab, unavailable
 
 REASON = unavailable()
 pytestmark = [
@@ -35,6 +36,19 @@ def test_the_relay_adds_its_delay_each_way_and_little_else() -> None:
     print(f"round trips: through the relay {plain:.2f} ms, with 5 ms each way {slow:.2f} ms")
     assert slow - plain >= 2 * 5.0 * 0.98  # both directions wait out the delay
     assert slow - plain <= 2 * 5.0 + 5.0  # and the relay adds little beyond it
+
+
+def test_a_shaped_link_carries_its_rate_and_no_more() -> None:
+    with NetLab() as lab:
+        a, b = lab.host("a", rate_mbit=20), lab.host("b", rate_mbit=20)
+        lab.popen(b, [sys.executable, "-c", _SINK, b.address, "7000"])
+        time.sleep(0.3)
+        size = 4 << 20  # 1.7 s at 20 Mbit/s: the burst (64 KiB) is a small part of it
+        done = lab.run(a, [sys.executable, "-c", _BLAST, b.address, "7000", str(size)], timeout=60)
+    assert done.returncode == 0, done.stderr
+    rate = float(re.search(r"rate ([\d.]+) Mbit/s", done.stdout).group(1))  # type: ignore[union-attr]
+    print(f"4 MiB over a 20 Mbit/s link: {rate:.1f} Mbit/s")
+    assert 20 * 0.5 <= rate <= 20 * 1.1
 
 
 def test_a_cut_link_goes_silent_and_mends() -> None:

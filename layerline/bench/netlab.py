@@ -23,6 +23,7 @@ import itertools
 import json
 import os
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -32,12 +33,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import IO
 
 from layerline.shared.certs import CertFiles, write_cluster_certs
 
 from .relay import Route
 
 RELAY_PORTS = itertools.count(20000)
+RELAY_START_SECONDS = 30.0
+TBF_PROBE = ("rate", "100mbit", "burst", "64k", "latency", "100ms")  # what unavailable() tries
 
 
 @dataclass(frozen=True)
@@ -64,8 +68,12 @@ class NetLab:
     def __post_init__(self) -> None:
         self._switch = f"ll{self.tag}-switch"
         _ip("netns", "add", self._switch)
-        _ip("-n", self._switch, "link", "add", "br0", "type", "bridge")
-        _ip("-n", self._switch, "link", "set", "br0", "up")
+        try:
+            _ip("-n", self._switch, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self._switch, "link", "set", "br0", "up")
+        except BaseException:
+            self.close()
+            raise
 
     def __enter__(self) -> NetLab:
         return self
@@ -106,14 +114,17 @@ class NetLab:
             self.relay_host = self.host("relay")
         self.relay_routes = [Route(next(RELAY_PORTS), h.address, port, delay / 1000) for h, port, delay in routes]
         if self._relay is not None:
-            _stop(self._relay)
+            _stop_all([self._relay])
+            self.processes.remove(self._relay)
         self._relay = self.popen(
             self.relay_host,
             [sys.executable, "-m", "layerline.bench.relay", self.relay_host.address, *map(str, self.relay_routes)],
             stdout=subprocess.PIPE,
         )
         assert self._relay.stdout is not None
-        self._relay.stdout.readline()  # it prints once every port listens
+        ready = _line_within(self._relay.stdout, RELAY_START_SECONDS)  # it prints once every port listens
+        if not ready.startswith(b"relay on"):
+            raise RuntimeError(f"the relay did not start (status {self._relay.poll()}): {ready!r}")
         return [f"{self.relay_host.address}:{r.port}" for r in self.relay_routes]
 
     def command(self, host: Host, argv: Sequence[str]) -> list[str]:
@@ -144,9 +155,11 @@ class NetLab:
         return probe.returncode == 0
 
     def close(self) -> None:
-        """Stop every process started here and remove every namespace (their links go with them)."""
-        for process in reversed([*self.processes, *([self._relay] if self._relay else [])]):
-            _stop(process)
+        """Stop every process started here, the relay last (members may still say goodbye through
+        it), and remove every namespace (their links go with them)."""
+        _stop_all(self.processes)
+        if self._relay is not None:
+            _stop_all([self._relay])
         for namespace in [h.namespace for h in self.hosts.values()] + [self._switch]:
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
         self.hosts.clear()
@@ -201,13 +214,8 @@ class LabCluster:
         args = {"target": self.target, "prompts": list(prompts), "max_tokens": max_tokens, "chains": len(self.chains)}
         if self.certs is not None:
             args["ca_cert"] = str(self.certs.ca)
-        process = subprocess.Popen(
-            self.lab.command(self.coordinator, [sys.executable, str(script), json.dumps(args)]),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        return process
+        argv = [sys.executable, str(script), json.dumps(args)]
+        return self.lab.popen(self.coordinator, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # type: ignore[return-value]  # text
 
     def _tls(self, role: str) -> list[str]:
         return self.certs.flags(role) if self.certs is not None else []
@@ -229,11 +237,20 @@ def unavailable() -> str | None:
     if os.geteuid() != 0:
         return "making network namespaces needs root"
     probe = f"ll{secrets.token_hex(2)}-probe"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"`ip netns add` failed: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
+    steps = [
+        ["ip", "netns", "add", probe],
+        ["ip", "-n", probe, "link", "add", "br0", "type", "bridge"],
+        ["ip", "-n", probe, "link", "add", "va", "type", "veth", "peer", "name", "vb"],
+        ["tc", "-n", probe, "qdisc", "replace", "dev", "va", "root", "tbf", *TBF_PROBE],
+    ]
+    try:
+        for step in steps:
+            done = subprocess.run(step, capture_output=True, text=True)
+            if done.returncode != 0:
+                return f"`{' '.join(step[:6])} ...` failed: {done.stderr.strip()}"
+        return None
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
 
 
 def _ip(*args: str) -> None:
@@ -246,14 +263,24 @@ def _run(command: list[str]) -> None:
         raise RuntimeError(f"{' '.join(command)}: {done.stderr.strip()}")
 
 
-def _stop(process: subprocess.Popen[bytes], grace: float = 10.0) -> None:
-    if process.poll() is None:
+def _stop_all(processes: Sequence[subprocess.Popen[bytes]], grace: float = 10.0) -> None:
+    """SIGTERM every process still running, then wait for all together; SIGKILL past `grace`."""
+    running = [p for p in processes if p.poll() is None]
+    for process in running:
         process.terminate()
+    deadline = time.monotonic() + grace
+    for process in running:
         try:
-            process.wait(grace)
+            process.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def _line_within(stream: IO[bytes], seconds: float) -> bytes:
+    """The next line of `stream`, or b"" when none came within `seconds` (or it closed)."""
+    ready, _, _ = select.select([stream], [], [], seconds)
+    return stream.readline() if ready else b""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -286,6 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     if args.command == "demo":
         return _demo()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C, from here on
     with NetLab() as lab:
         for name in args.names.split(","):
             host = lab.host(name.strip(), rate_mbit=args.rate)
@@ -300,7 +328,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         for (host, port, delay), via in zip(routes, lab.relay(routes) if routes else []):
             print(f"{host.name}:{port} with {delay:g} ms each way: dial {via}")
         print("Ctrl-C removes every host", flush=True)
-        signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C
         try:
             signal.pause()
         except KeyboardInterrupt:
@@ -346,6 +373,28 @@ for _ in range(50):
         n += len(c.recv(64))
     times.append(1000 * (time.perf_counter() - t))
 print(f"median round trip {statistics.median(times):.2f} ms")
+"""
+# A sink that answers one byte once it has read the size it was told, and a client that sends
+# that many bytes and prints the rate it saw (Mbit/s, from its first byte to the answer).
+_SINK = """
+import socket, sys
+s = socket.create_server((sys.argv[1], int(sys.argv[2])))
+while True:
+    c, _ = s.accept()
+    want, n = int(c.recv(16).decode()), 0
+    while n < want:
+        n += len(c.recv(1 << 20))
+    c.sendall(b"k")
+"""
+_BLAST = """
+import socket, sys, time
+size = int(sys.argv[3])
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+c.sendall(str(size).rjust(16).encode())
+t = time.perf_counter()
+c.sendall(bytes(size))
+c.recv(1)
+print(f"rate {size * 8 / (time.perf_counter() - t) / 1e6:.1f} Mbit/s")
 """
 _REACH = """
 import socket, sys

@@ -42,30 +42,36 @@ class Route:
 
 
 async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay_s: float) -> None:
-    """Copy `reader` to `writer`, each chunk `delay_s` after it was read; close `writer` at the end."""
+    """Copy `reader` to `writer`, each chunk `delay_s` after it was read; at the reader's end, end
+    the writer's direction too (half-close). Raises when either side fails."""
     due: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue(MAX_QUEUED_CHUNKS)
+
+    async def read() -> None:
+        while data := await reader.read(CHUNK_BYTES):
+            await due.put((time.monotonic() + delay_s, data))
+        await due.put((time.monotonic() + delay_s, b""))  # the end, delayed like the bytes before it
 
     async def deliver() -> None:
         while True:
             at, data = await due.get()
-            if not data:
-                break
             wait = at - time.monotonic()
             if wait > 0:
                 await asyncio.sleep(wait)
+            if not data:
+                if writer.can_write_eof():
+                    writer.write_eof()
+                return
             writer.write(data)
             await writer.drain()
 
-    delivering = asyncio.create_task(deliver())
+    tasks = [asyncio.create_task(read()), asyncio.create_task(deliver())]
     try:
-        while data := await reader.read(CHUNK_BYTES):
-            await due.put((time.monotonic() + delay_s, data))
-        await due.put((0.0, b""))
-        await delivering
-    except (ConnectionError, asyncio.CancelledError):
-        delivering.cancel()
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            task.result()  # a side that failed fails the pump
     finally:
-        writer.close()
+        for task in tasks:
+            task.cancel()
 
 
 def _handler(route: Route):
@@ -75,11 +81,18 @@ def _handler(route: Route):
         except OSError:
             client_writer.close()
             return
-        await asyncio.gather(
-            _pump(client_reader, target_writer, route.delay_s),
-            _pump(target_reader, client_writer, route.delay_s),
-            return_exceptions=True,
-        )
+        pumps = [
+            asyncio.create_task(_pump(client_reader, target_writer, route.delay_s)),
+            asyncio.create_task(_pump(target_reader, client_writer, route.delay_s)),
+        ]
+        try:
+            # Both directions to their ends; or, when one fails, the connection is over both ways.
+            await asyncio.wait(pumps, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for pump in pumps:
+                pump.cancel()
+            for writer in (client_writer, target_writer):
+                writer.close()
 
     return handle
 
