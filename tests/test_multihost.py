@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from layerline.bench.netlab import LabCluster, NetLab, unavailable
+from layerline.bench.lab_cluster import LabCluster
+from layerline.bench.netlab import NetLab, unavailable
 
 REASON = unavailable()
 pytestmark = [
