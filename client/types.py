@@ -124,3 +124,5 @@ class ClusterStatus:
     last_failover_gap_seconds: float = 0.0  # from a failure to the moved sequence's next token
     max_failover_gap_seconds: float = 0.0
     shared_prefix_tokens: int = 0  # prompt tokens copied from a live or cached sequence's KV, not computed
+    preemptions: int = 0  # sequences whose KV was freed for an older one's and recomputed later
+    stalls: int = 0  # chains that stopped answering steps within their bound; their sequences moved

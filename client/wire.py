@@ -172,6 +172,8 @@ def cluster_from(response: coordinator_pb2.ClusterStatusResponse) -> ClusterStat
         response.last_failover_gap_seconds,
         response.max_failover_gap_seconds,
         response.shared_prefix_tokens,
+        response.preemptions,
+        response.stalls,
     )
 
 

@@ -20,6 +20,7 @@ import asyncio
 import itertools
 import logging
 import math
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -32,14 +33,15 @@ from layerline.shared.routes import route_tag
 from layerline.shared.rpc import aio_channel
 from layerline.shared.wire import sampling_to_wire
 
-from .scheduler import Outcome, PlannedStep, StepFailed
+from .stall import StallBound, StallPolicy
+from .steps import Outcome, PlannedStep, StepFailed
 from .telemetry import StepSpans
 
 log = logging.getLogger(__name__)
 
 RELEASE_TIMEOUT = 5.0
 PROBE_TIMEOUT = 10.0
-STEP_TIMEOUT = 60.0  # a step unanswered this long counts as a failed chain (heartbeats notice sooner)
+WATCH_EVERY = 0.1  # seconds between looks at the oldest unanswered step
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class ChainClient:
         max_message_bytes: int,
         links: MemberLinks,
         tracer: Tracer | None = None,
+        stall: StallPolicy = StallPolicy(),
     ) -> None:
         self.addresses = addresses
         self.model_id = model_id
@@ -75,6 +78,10 @@ class ChainClient:
         self._subscriber = uuid.uuid4().hex  # names this chain's Results stream on its last stage
         self._results: grpc.aio.UnaryStreamCall | None = None
         self._replies: set[int] = set()  # steps asked to answer on the current Results stream
+        self.stall = StallBound(stall)
+        self._sent: dict[int, tuple[float, int]] = {}  # unanswered step id -> (sent at, its tokens)
+        self._last_answer = 0.0  # when the last step was answered (monotonic)
+        self._watchdog: asyncio.Task[None] | None = None
 
     async def __call__(self, step: PlannedStep) -> list[Outcome]:
         header = stage_pb2.StepHeader(
@@ -88,11 +95,11 @@ class ChainClient:
         )
         for s in step.slices:
             seq = header.sequences.add(
-                sequence_id=s.seq.sequence_id,
+                sequence_id=s.seq.kv_id,
                 positions=range(s.start, s.start + len(s.token_ids)),
                 token_ids=s.token_ids,
                 sample=s.sample,
-                prefix_from=s.prefix_from.sequence_id if s.prefix_from is not None else "",
+                prefix_from=s.prefix_from.kv_id if s.prefix_from is not None else "",
             )
             if s.sample:
                 sampling_to_wire(s.seq.sampling, seq.sampling)
@@ -114,6 +121,9 @@ class ChainClient:
     async def _exchange(self, header: stage_pb2.StepHeader) -> list[Outcome]:
         """Send one step's header to the chain's first stage and wait for its result."""
         future: asyncio.Future[stage_pb2.StepResult] = asyncio.get_running_loop().create_future()
+        tokens = sum(len(s.positions) for s in header.sequences)
+        if self._watchdog is None:
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
         async with self._lock:
             self._pending[header.step_id] = future
             if len(self.addresses) > 1:
@@ -123,6 +133,7 @@ class ChainClient:
                 self._replies.add(header.step_id)
             replies = self._replies
             try:
+                self._sent[header.step_id] = (time.monotonic(), tokens)
                 await self._stream().write(stage_pb2.StepFrame(header=header))
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as err:
                 self._pending.pop(header.step_id, None)
@@ -132,19 +143,19 @@ class ChainClient:
                     failed_address=self.addresses[0],
                 ) from None
         try:
-            result = await asyncio.wait_for(future, STEP_TIMEOUT)
-        except asyncio.TimeoutError:
-            self._pending.pop(header.step_id, None)
-            raise StepFailed(
-                Code.DEADLINE_EXCEEDED,
-                f"chain {' -> '.join(self.addresses)} did not answer a step within {STEP_TIMEOUT:.0f}s",
-            ) from None
+            result = await future
         finally:
             replies.discard(header.step_id)  # answered, either way
+            sent, _ = self._sent.pop(header.step_id, (0.0, 0))
+        if result.error.code == Code.DEADLINE_EXCEEDED and not result.failed_address:
+            raise StepFailed(Code.DEADLINE_EXCEEDED, result.error.message)  # the chain stalled: no hop named
         if result.error.code:
             raise StepFailed(
                 result.error.code, result.error.message, failed_address=result.failed_address or self.addresses[0]
             )
+        now = time.monotonic()
+        self.stall.observe(tokens, now - max(sent, self._last_answer))
+        self._last_answer = now
         return [
             Outcome(
                 sequence_id=r.sequence_id,
@@ -216,8 +227,33 @@ class ChainClient:
             if isinstance(outcome, grpc.aio.AioRpcError):
                 log.warning("release of %s on %s failed: %s", sequence_ids, address, outcome.code().name)
 
+    async def _watch(self) -> None:
+        """Fail every unanswered step once the oldest has waited past the stall bound: the chain
+        is hung (a stopped process, a stuck thread, a partitioned link), heartbeats or not."""
+        while not self._closed:
+            await asyncio.sleep(WATCH_EVERY)
+            if not self._sent:
+                continue
+            oldest = min(self._sent)
+            sent, tokens = self._sent[oldest]
+            waited, allowed = time.monotonic() - max(sent, self._last_answer), self.stall.allowed(tokens)
+            if waited <= allowed:
+                continue
+            reason = (
+                f"chain {' -> '.join(self.addresses)} did not answer a step of {tokens} token(s) in "
+                f"{waited:.1f}s (its bound: {allowed:.1f}s, from its recent step times)"
+            )
+            log.warning("%s; failing its %d unanswered step(s)", reason, len(self._pending))
+            stalled = stage_pb2.StepResult(error=common_pb2.Status(code=Code.DEADLINE_EXCEEDED, message=reason))
+            for future in list(self._pending.values()):
+                _settle(future, stalled)
+            self._pending.clear()
+            self._sent.clear()
+
     async def close(self) -> None:
         self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         for call in (self._call, self._results):
             if call is not None:
                 call.cancel()

@@ -24,8 +24,10 @@ from layerline.shared.errors import Code, Unreachable
 
 from .chain import ChainClient, MemberLinks, ProbeFailed, probe
 from .registry import Registry, Worker, build_chains
-from .scheduler import ChainScheduler, Sequence, StepFailed
+from .scheduler import ChainScheduler
 from .settings import DEFAULT_PREFIX_CACHE
+from .stall import StallPolicy
+from .steps import Sequence, StepFailed
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +74,17 @@ class Cluster:
         depth: int | None = None,
         links: MemberLinks,
         failover: FailoverPolicy = FailoverPolicy(),
+        stall: StallPolicy = StallPolicy(),
         tracer: Tracer | None = None,
     ) -> None:
         self.registry = registry
         self.links = links  # the route key and the credentials that reach the stages
         self.tracer = tracer  # the chains' step spans; None when tracing is off
         self.failover = failover
+        self.stall = stall  # when a chain that does not answer counts as hung
+        self.preemptions = 0  # sequences whose KV was freed for an older one's and recomputed, since start
+        self.stalls = 0  # chains that stopped answering steps, since start
+        self._probing: set[str] = set()  # addresses whose readiness probe is running
         self.failovers = 0  # sequences moved off a failed chain, since start
         self.shared_prefix_tokens = 0  # prompt tokens copied from a live or cached sequence's KV, since start
         self.last_failover_gap = 0.0  # seconds from a failure to the moved sequence's next token
@@ -120,10 +127,12 @@ class Cluster:
             max_message_bytes=self.max_message_bytes,
             links=self.links,
             tracer=self.tracer,
+            stall=self.stall,
         )
         holder: list[RunningChain] = []
         kv_tokens = min(w.kv_blocks_total * max(w.kv_block_size, 1) for w in workers)  # the smallest stage's
         block_size = max(max(w.kv_block_size, 1) for w in workers)
+        ttls = [w.orphan_ttl for w in workers if w.orphan_ttl > 0]
         scheduler = ChainScheduler(
             client,
             depth=self.depth or len(workers),
@@ -132,10 +141,12 @@ class Cluster:
             cache_tokens=int(self.prefix_cache * kv_tokens),
             block_size=block_size,
             kv_blocks=kv_tokens // block_size,
+            lender_ttl=min(ttls) / 2 if ttls else None,  # freed here before a stage would call it orphaned
             on_step_failed=lambda seqs, err: self._step_failed(holder[0], seqs, err),
             release=client.release,
             on_failover_gap=self._failover_gap,
             on_shared_prefix=self._shared_prefix,
+            on_preempted=self._preempted,
         )
         running = RunningChain(replica, workers, client, scheduler)
         holder.append(running)
@@ -145,9 +156,9 @@ class Cluster:
     def _drop_chain(self, chain: RunningChain, reason: str) -> None:
         seqs = list(chain.scheduler.sequences.values())
         chain.scheduler.sequences.clear()
+        held = list(chain.scheduler.held)  # every KV the chain holds: live, cached, waiting to be freed
         self._move(seqs, reason)
-        cached = list(chain.scheduler.cached)
-        asyncio.get_running_loop().create_task(self._close(chain, release=[s.sequence_id for s in seqs] + cached))
+        asyncio.get_running_loop().create_task(self._close(chain, release=held))
 
     async def _close(self, chain: RunningChain, *, release: list[str] | None = None) -> None:
         await chain.scheduler.stop()
@@ -166,8 +177,13 @@ class Cluster:
         log.warning("step on chain %s failed (%s); moving %d sequence(s)", " -> ".join(chain.addresses), err, len(seqs))
         if err.failed_address:
             self.registry.mark(err.failed_address, "UNREACHABLE")
+        elif err.code == Code.DEADLINE_EXCEEDED:  # the chain stalled: each of its workers passes a probe again first
+            self.stalls += 1
+            for address in chain.addresses:
+                self.registry.suspect(address)
+        held = [s.kv_id for s in seqs]  # before the move names their KV anew
         self._move(seqs, str(err))
-        asyncio.get_running_loop().create_task(chain.client.release([s.sequence_id for s in seqs]))
+        asyncio.get_running_loop().create_task(chain.client.release(held))
         self.refresh()  # drops the broken chain and moves the rest of its sequences
 
     def _move(self, seqs: list[Sequence], reason: str) -> None:
@@ -177,7 +193,7 @@ class Cluster:
             self._where.pop(seq.sequence_id, None)
             if seq.done:
                 continue
-            seq.fed, seq.in_flight = 0, False
+            seq.replace_kv()
             seq.moves += 1
             if seq.failed_at is None:
                 seq.failed_at = time.monotonic()
@@ -190,6 +206,9 @@ class Cluster:
             delay = min(self.failover.backoff * 2 ** (seq.moves - 1), self.failover.max_backoff)
             deadline = time.monotonic() + self.failover.wait_for_chain
             loop.call_later(delay, self._replace, seq, reason, deadline)
+
+    def _preempted(self, seq: Sequence) -> None:
+        self.preemptions += 1
 
     def _shared_prefix(self, tokens: int) -> None:
         self.shared_prefix_tokens += tokens
@@ -216,7 +235,7 @@ class Cluster:
         self.refresh()
         if not self.chains:
             raise NoChainError(f"no complete chain of workers covers layers [0, {self.registry.num_layers}) right now")
-        chain = min(self.chains, key=lambda c: (c.scheduler.load, c.replica))
+        chain = min(self.chains, key=lambda c: (c.scheduler.waiting, c.scheduler.load, c.replica))
         self._where[seq.sequence_id] = chain
         chain.scheduler.add(seq)
         return chain
@@ -227,27 +246,34 @@ class Cluster:
             chain.scheduler.finish(seq)
         seq.done = True
 
-    async def probe_workers(self, *, every: float) -> None:
-        """Run the readiness probe (a real one-token forward) on each worker that is due.
+    def probe_workers(self, *, every: float) -> list[asyncio.Task[None]]:
+        """Start the readiness probe (a real one-token forward) of each worker that is due and
+        not being probed; each outcome counts as soon as it is in, so a hung worker's probe
+        delays no other's. Returns the probes started.
 
         A worker joins routing only after its probe passes, and leaves it when a probe fails. Any
         exception from one worker's probe is that worker failing it (logged, with the traceback
-        when it is not a `ProbeFailed`); the others' outcomes stand.
+        when it is not a `ProbeFailed`).
         """
-        due = self.registry.due_for_probe(every=every)
-        results = await asyncio.gather(
-            *(probe(w.address, credentials=self.links.credentials) for w in due), return_exceptions=True
-        )
-        for worker, outcome in zip(due, results):
-            if isinstance(outcome, ProbeFailed):
-                log.warning("worker %s failed its readiness probe: %s", worker.address, outcome)
-            elif isinstance(outcome, (Exception, asyncio.CancelledError)):
-                log.error("worker %s failed its readiness probe: %r", worker.address, outcome, exc_info=outcome)
-            elif isinstance(outcome, BaseException):  # KeyboardInterrupt, SystemExit: not the worker's doing
-                raise outcome
-            self.registry.probed(worker, ready=not isinstance(outcome, BaseException))
-        if due:
-            self.refresh()
+        due = [w for w in self.registry.due_for_probe(every=every) if w.address not in self._probing]
+        loop = asyncio.get_running_loop()
+        return [loop.create_task(self._probe(w)) for w in due]
+
+    async def _probe(self, worker: Worker) -> None:
+        self._probing.add(worker.address)
+        try:
+            await probe(worker.address, credentials=self.links.credentials)
+        except ProbeFailed as err:
+            log.warning("worker %s failed its readiness probe: %s", worker.address, err)
+            self.registry.probed(worker, ready=False)
+        except Exception as err:
+            log.error("worker %s failed its readiness probe: %r", worker.address, err, exc_info=err)
+            self.registry.probed(worker, ready=False)
+        else:
+            self.registry.probed(worker, ready=True)
+        finally:
+            self._probing.discard(worker.address)
+        self.refresh()
 
     def chain_of(self, address: str) -> RunningChain | None:
         return next((c for c in self.chains if address in c.addresses), None)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from layerline.shared.errors import Code
 from layerline.shared.sampling import SamplingParams
 
-from .scheduler import Sequence
+from .steps import Sequence
 from .text import IncrementalDetokenizer, StopMatcher, TextModel
 
 

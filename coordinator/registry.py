@@ -44,6 +44,7 @@ class Worker:
     weights_bytes: int = 0  # weights one rank holds
     steps_computed: int = 0  # since it started, and their compute time (as of its last heartbeat)
     compute_seconds: float = 0.0
+    orphan_ttl: float = 0.0  # seconds after which it frees KV no step touched; 0: never
 
 
 @dataclass
@@ -140,6 +141,13 @@ class Registry:
         entry.probed_at = time.monotonic()
         if entry.ready != ready:
             entry.ready = ready
+            self.version += 1
+
+    def suspect(self, address: str) -> None:
+        """Take a worker out of routing until its next readiness probe passes (its chain stalled)."""
+        entry = self._entries.get(address)
+        if entry is not None and entry.ready:
+            entry.ready = False
             self.version += 1
 
     def seconds_since(self, address: str) -> float:

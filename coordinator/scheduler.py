@@ -1,4 +1,4 @@
-"""Continuous batching with several micro-batches in flight per chain.
+"""Continuous batching with several micro-batches in flight per chain, within the chain's KV.
 
 Owns, for one chain, which live sequences advance in each step: decode tokens first, then
 chunks of prompts under a per-step token budget, so a long prompt never stalls the decoding of
@@ -6,12 +6,16 @@ others. Up to `depth` micro-batches are in flight at once (default: the chain's 
 with different sequences, so every stage has work while the others compute. Sequences join
 and leave between steps.
 
+It also keeps the ledger of the chain's KV: the blocks each sequence's KV takes on the smallest
+stage once its steps return. A new sequence starts, oldest first, only when its whole history
+fits beside what runs; a running sequence that needs a block when none is free takes it from
+the prefix cache, then from the youngest running sequences, which are preempted: their KV is
+freed (by the very step that needs the room, before its work on every stage) and they wait to
+be recomputed from their token history, as vLLM does. A sequence that cannot fit the chain's
+KV even alone fails with RESOURCE_EXHAUSTED naming both sizes.
+
 A new sequence whose first tokens another already computed copies their KV at every stage
-instead of computing them. Lenders are the live sequences of the chain and a cache of finished
-ones: a sequence that ended normally keeps its KV on the chain (least recently used first out)
-while the cache holds fewer tokens than its budget, a share of the chain's KV memory, so a
-second request with the same system prompt, or the next turn of a chat, starts from it. A
-cached sequence whose tokens all start a newer one's (the turn before, in a chat) gives way to it.
+instead of computing them (`prefix_cache`).
 
 Knows nothing of text, of gRPC or of the wire: it hands `PlannedStep`s to a `StepSender` and
 gets `Outcome`s back.
@@ -20,88 +24,22 @@ gets `Outcome`s back.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import math
 import time
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Collection, Coroutine
-from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from collections.abc import Callable, Coroutine
+from dataclasses import replace
+from typing import Any
 
 from layerline.shared.errors import Code
-from layerline.shared.sampling import SamplingParams
+
+from .prefix_cache import PrefixCache, blocks
+from .step_plan import StepPlan
+from .steps import Outcome, PlannedStep, Sequence, Slice, StepFailed, StepSender
 
 log = logging.getLogger(__name__)
 
-# A new sequence whose first tokens equal this many or more of a live or cached sequence's on the
-# same chain (a shared system prompt, the same question twice) copies their KV instead of computing it.
-MIN_SHARED_PREFIX = 4
-
-
-@dataclass
-class Sequence:
-    """A sequence's token history (the ground truth its KV can be rebuilt from) and progress."""
-
-    sequence_id: str
-    prompt: list[int]
-    sampling: SamplingParams
-    on_token: Callable[[int, float | None, list[tuple[int, float]]], None]  # called per new token
-    on_error: Callable[[Code, str], None]  # (status, message)
-    generated: list[int] = field(default_factory=list)
-    fed: int = 0  # tokens of the history whose KV the chain holds
-    in_flight: bool = False
-    lent: int = 0  # steps in flight that copy a prefix of its KV: it is released after them
-    done: bool = False
-    complete: bool = False  # ended normally (a stop or its length), not cancelled or failed
-    moves: int = 0  # times it was moved to another chain after a failure
-    failed_at: float | None = None  # when its chain failed, until its next token arrives
-    trace_context: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def history(self) -> list[int]:
-        return self.prompt + self.generated
-
-
-@dataclass(frozen=True)
-class Slice:
-    seq: Sequence
-    start: int  # first position fed
-    token_ids: tuple[int, ...]
-    sample: bool  # the chain samples the token after this slice
-    prefix_from: Sequence | None = None  # whose KV of positions [0, start) each stage copies first
-
-
-@dataclass(frozen=True)
-class PlannedStep:
-    slices: tuple[Slice, ...]
-    release: tuple[str, ...] = ()  # cached sequences each stage frees before this step's work
-    alone: bool = False  # no other step of the chain is in flight: a large one may take more cores
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What came back for one sequence of a step."""
-
-    sequence_id: str
-    token_id: int | None = None
-    logprob: float | None = None
-    top: tuple[tuple[int, float], ...] = ()
-    error_code: Code = Code.OK
-    error_message: str = ""
-
-
-class StepSender(Protocol):
-    def __call__(self, step: PlannedStep) -> Awaitable[list[Outcome]]: ...
-
-
-class StepFailed(Exception):
-    """A whole step failed (a hop is unreachable); its sequences' KV on the chain is lost."""
-
-    def __init__(self, code: int, message: str, *, failed_address: str = "") -> None:
-        super().__init__(message)
-        self.code = Code.of(code)
-        self.failed_address = failed_address
+MAX_KV_RETRIES = 5  # times a stage may refuse one sequence for KV before it fails
 
 
 class ChainScheduler:
@@ -115,27 +53,33 @@ class ChainScheduler:
         cache_tokens: int = 0,
         block_size: int = 1,
         kv_blocks: int | None = None,
+        lender_ttl: float | None = None,
         on_step_failed: Callable[[list[Sequence], StepFailed], None],
         release: Callable[[list[str]], Coroutine[Any, Any, None]],
         on_failover_gap: Callable[[float], None] = lambda seconds: None,
         on_shared_prefix: Callable[[int], None] = lambda tokens: None,
+        on_preempted: Callable[[Sequence], None] = lambda seq: None,
     ) -> None:
         self.send = send
         self.depth = max(1, depth)
         self.token_budget = token_budget
         self.share_prefixes = share_prefixes
-        # Finished sequences whose KV stays on the chain as lenders, least recently used first;
-        # they hold at most `cache_tokens` positions, each rounded up to whole KV blocks.
-        self.cache_tokens = cache_tokens if share_prefixes else 0
         self.block_size = max(1, block_size)
+        # Finished sequences whose KV stays on the chain as lenders; at most `cache_tokens` positions.
+        self.cached = PrefixCache(
+            budget_blocks=(cache_tokens if share_prefixes else 0) // self.block_size, block_size=self.block_size
+        )
         self.kv_blocks = kv_blocks  # blocks of `block_size` on the chain's smallest stage; None: unknown
-        self.cached: OrderedDict[str, Sequence] = OrderedDict()
+        self.lender_ttl = lender_ttl  # a lender unused this long is freed before the stages would call it orphaned
         self.on_step_failed = on_step_failed
         self.release = release
         self.on_failover_gap = on_failover_gap
         self.on_shared_prefix = on_shared_prefix
+        self.on_preempted = on_preempted
         self.sequences: dict[str, Sequence] = {}
+        self.held: dict[str, int] = {}  # KV name -> positions it takes on each stage, until freed
         self.in_flight = 0
+        self.pending_releases: list[str] = []  # KV names the next step frees before its work
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -144,13 +88,21 @@ class ChainScheduler:
         return len(self.sequences)
 
     @property
+    def waiting(self) -> int:
+        """Live sequences that hold no KV on the chain: new, moved or preempted ones."""
+        return sum(1 for s in self.sequences.values() if not s.kv_tokens)
+
+    @property
     def cached_tokens(self) -> int:
         """KV positions the cache of finished sequences holds on each stage of the chain."""
-        return sum(s.fed for s in self.cached.values())
+        return self.cached.tokens
 
     def cached_blocks(self, block_size: int) -> int:
         """KV blocks of `block_size` tokens the cache holds on one stage."""
-        return sum(_blocks(s.fed, block_size) for s in self.cached.values())
+        return sum(blocks(s.fed, block_size) for s in self.cached.values())
+
+    def held_blocks(self) -> int:
+        return sum(blocks(n, self.block_size) for n in self.held.values())
 
     def add(self, seq: Sequence) -> None:
         self.sequences[seq.sequence_id] = seq
@@ -172,70 +124,29 @@ class ChainScheduler:
         if not seq.done or seq.sequence_id in self.sequences or seq.in_flight or seq.lent:
             return
         if seq.sequence_id in self.cached:
-            self._evict()  # it may have stayed past the budget while lent
-        elif seq.complete and seq.fed >= MIN_SHARED_PREFIX and self._blocks(seq) <= self._cache_blocks:
-            self._free(self._covered_by(seq))  # the last turn of a chat covers the turns before it
-            self.cached[seq.sequence_id] = seq
-            self._evict()
+            self._free(self.cached.evicted(self.cached.budget_blocks))  # it may have stayed past the budget while lent
+        elif seq.kv_id in self.held and self.cached.fits(seq):
+            self._free(self.cached.add(seq))
         else:
             self._free([seq])
 
-    def _covered_by(self, seq: Sequence) -> list[Sequence]:
-        """Take out the cached sequences (not lent) whose computed tokens start `seq`'s: any
-        prompt copies at least as much from `seq`."""
-        history = seq.history
-        out = [
-            other
-            for other in self.cached.values()
-            if not other.lent and other.fed <= seq.fed and other.history[: other.fed] == history[: other.fed]
-        ]
-        for other in out:
-            del self.cached[other.sequence_id]
-        return out
-
-    @property
-    def _cache_blocks(self) -> int:
-        return self.cache_tokens // self.block_size
-
-    def _blocks(self, seq: Sequence) -> int:
-        return _blocks(seq.fed, self.block_size)
-
-    def _evict(self) -> None:
-        """Free the least recently used cached sequences (not lent) until the cache fits its budget."""
-        self._free(self._evicted(self._cache_blocks))
-
-    def _evicted(self, limit: int, *, keep: Collection[str] = ()) -> list[Sequence]:
-        """Take cached sequences out, least recently used first, until they hold at most `limit`
-        blocks; lent ones and those in `keep` stay."""
-        over = self.cached_blocks(self.block_size) - limit
-        out: list[Sequence] = []
-        for seq in list(self.cached.values()):
-            if over <= 0:
-                break
-            if not seq.lent and seq.sequence_id not in keep:
-                del self.cached[seq.sequence_id]
-                out.append(seq)
-                over -= self._blocks(seq)
-        return out
-
-    def _room_for_cache(self) -> int:
-        """Blocks the cache may hold beside what the live sequences need for their next tokens."""
-        if self.kv_blocks is None:
-            return self._cache_blocks
-        live = sum(_blocks(len(s.history) + 1, self.block_size) for s in self.sequences.values())
-        return max(0, min(self._cache_blocks, self.kv_blocks - live))
-
     def drop_cache(self) -> None:
         """Free the whole cache of finished sequences; a lent one goes when its copies are done."""
-        for seq in self.cached.values():
-            seq.complete = False  # not cached again when its last copy returns
-        dropped = [s for s in self.cached.values() if not s.lent]
-        self.cached.clear()
-        self._free(dropped)
+        self._free(self.cached.clear())
 
     def _free(self, seqs: list[Sequence]) -> None:
-        if seqs:
-            asyncio.get_running_loop().create_task(self.release([s.sequence_id for s in seqs]))
+        """Free KV out of band; the ledger counts it held until every stage said it is freed."""
+        names = [s.kv_id for s in seqs if s.kv_id in self.held]
+        if names:
+            asyncio.get_running_loop().create_task(self._release_now(names))
+
+    async def _release_now(self, names: list[str]) -> None:
+        try:
+            await self.release(names)
+        finally:
+            for name in names:
+                self.held.pop(name, None)
+            self._wake.set()
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -246,6 +157,8 @@ class ChainScheduler:
 
     async def _run(self) -> None:
         while True:
+            if self.lender_ttl is not None and self.cached:
+                self._free(self.cached.idle(self.lender_ttl))
             while self.in_flight < self.depth and (step := self._plan()) is not None:
                 if self.in_flight == 0:
                     step = replace(step, alone=True)
@@ -254,59 +167,34 @@ class ChainScheduler:
                     s.seq.in_flight = True
                     if s.prefix_from is not None:
                         s.prefix_from.lent += 1
-                        if s.prefix_from.sequence_id in self.cached:
-                            self.cached.move_to_end(s.prefix_from.sequence_id)  # used: last out
+                        self.cached.used(s.prefix_from)
                         self.on_shared_prefix(s.start)
                 asyncio.get_running_loop().create_task(self._dispatch(step))
+            if self.pending_releases and not self.in_flight:  # no step to carry them: free them now
+                names, self.pending_releases = self.pending_releases, []
+                asyncio.get_running_loop().create_task(self._release_now(names))
             self._wake.clear()
-            await self._wake.wait()
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.lender_ttl if self.cached and self.lender_ttl else None)
+            except asyncio.TimeoutError:
+                pass
 
     def _plan(self) -> PlannedStep | None:
-        ready = [s for s in self.sequences.values() if not s.in_flight and not s.done]
+        ready = sorted((s for s in self.sequences.values() if not s.in_flight and not s.done), key=lambda s: s.arrival)
         if not ready:
             return None
-        per_step = math.ceil(len(self.sequences) / self.depth)  # spread over the micro-batches
-        budget = self.token_budget
-        slices: list[Slice] = []
-        decoding = [s for s in ready if len(s.history) - s.fed == 1]
-        prefilling = [s for s in ready if len(s.history) - s.fed > 1]
+        plan = StepPlan(self, per_step=math.ceil(len(self.sequences) / self.depth))
+        decoding = [s for s in ready if s.kv_tokens and len(s.history) - s.fed == 1]
+        prefilling = [s for s in ready if s.kv_tokens and len(s.history) - s.fed > 1]
         for seq in decoding + prefilling:
-            if len(slices) == per_step or budget == 0:
+            if plan.full:
                 break
-            history = seq.history
-            start, donor = seq.fed, None
-            if start == 0 and self.share_prefixes:
-                donor, start = self._prefix_donor(seq)
-            n = min(len(history) - start, budget)
-            budget -= n
-            end = start + n
-            slices.append(Slice(seq, start, tuple(history[start:end]), sample=end == len(history), prefix_from=donor))
-        if not slices:
-            return None
-        # The live sequences come first: cached ones they need room from are freed by every
-        # stage just before this step, in order with the steps (never the ones it copies from).
-        donors = {s.prefix_from.sequence_id for s in slices if s.prefix_from is not None}
-        evicted = self._evicted(self._room_for_cache(), keep=donors) if self.cached else []
-        return PlannedStep(tuple(slices), release=tuple(s.sequence_id for s in evicted))
-
-    def _prefix_donor(self, seq: Sequence) -> tuple[Sequence | None, int]:
-        """The live or cached sequence on this chain whose KV holds the longest prefix of `seq`'s history.
-
-        Only tokens whose step came back count (`fed`), so every stage holds them; steps reach
-        each stage in order, so the copy runs after them. At least the last token is left to
-        compute, since the step must yield its hidden state (and, at the end, a sampled token).
-        """
-        history = seq.history
-        best, length = None, MIN_SHARED_PREFIX - 1
-        for other in itertools.chain(self.sequences.values(), self.cached.values()):
-            if other is seq or other.fed <= length or other.prompt[0] != history[0]:
-                continue
-            if other.done and other.sequence_id not in self.cached:  # about to be freed
-                continue
-            n = _common_prefix(history, other.history, min(other.fed, len(history) - 1))
-            if n > length:
-                best, length = other, n
-        return (best, length) if best is not None else (None, 0)
+            plan.add_running(seq)
+        starting = True  # oldest first: one that does not fit holds back the younger ones
+        for seq in (s for s in ready if not s.kv_tokens):
+            if not plan.never_fits(seq) and starting and not plan.full:
+                starting = plan.add_new(seq)
+        return plan.step()
 
     async def _dispatch(self, step: PlannedStep) -> None:
         try:
@@ -319,10 +207,10 @@ class ChainScheduler:
                 seq.in_flight = False
             self.on_step_failed(mine, err)
         else:
-            by_id = {o.sequence_id: o for o in outcomes}
+            by_name = {o.sequence_id: o for o in outcomes}
             for s in step.slices:
                 if self._owns(s.seq):  # a sequence moved to another chain meanwhile is not ours
-                    self._apply(s, by_id.get(s.seq.sequence_id))
+                    self._apply(s, by_name.get(s.seq.kv_id))
         finally:
             for s in step.slices:
                 if s.seq.done:
@@ -345,9 +233,10 @@ class ChainScheduler:
         if outcome is None:
             seq.on_error(Code.INTERNAL, f"the chain returned no result for sequence {seq.sequence_id}")
             return
+        if outcome.error_code == Code.RESOURCE_EXHAUSTED:
+            self._refused(seq, outcome.error_message)
+            return
         if outcome.error_code:
-            if outcome.error_code == Code.RESOURCE_EXHAUSTED:  # a stage's KV is full: the cache gives way
-                self.drop_cache()
             seq.on_error(outcome.error_code, outcome.error_message)
             return
         seq.fed = s.start + len(s.token_ids)
@@ -361,22 +250,18 @@ class ChainScheduler:
                 seq.failed_at = None
             seq.on_token(outcome.token_id, outcome.logprob, list(outcome.top))
 
-
-def _blocks(tokens: int, block_size: int) -> int:
-    """KV blocks that `tokens` positions take: the last one may be partly filled."""
-    return -(-tokens // block_size)
-
-
-def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    """How many leading tokens `a` and `b` share, at most `limit` (slices compare in C)."""
-    limit = min(limit, len(a), len(b))
-    if a[:limit] == b[:limit]:
-        return limit
-    lo, hi = 0, limit  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    def _refused(self, seq: Sequence, message: str) -> None:
+        """A stage had no room for a sequence the ledger let through: it holds KV this scheduler
+        does not know of (another coordinator's, until it is freed as orphaned). The cache gives
+        way and the sequence waits, longer each time, to be recomputed; it fails past a bound."""
+        self.drop_cache()
+        seq.refusals += 1
+        if seq.refusals > MAX_KV_RETRIES:
+            seq.on_error(Code.RESOURCE_EXHAUSTED, f"{message} (refused {MAX_KV_RETRIES} times)")
+            return
+        log.warning("a stage refused sequence %s for KV (%s); it waits to be recomputed", seq.sequence_id, message)
+        self.pending_releases.append(seq.replace_kv())
+        delay = 0.1 * 2**seq.refusals
+        seq.not_before = time.monotonic() + delay
+        asyncio.get_running_loop().call_later(delay, self._wake.set)
+        self.on_preempted(seq)

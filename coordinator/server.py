@@ -80,7 +80,11 @@ async def serve(settings: CoordinatorSettings, *, stop: asyncio.Event | None = N
         cluster, text, admission=admission, model_name=Path(checkpoint).name, telemetry=observed
     )
     observed.watch(
-        running=lambda: servicer.active, waiting=lambda: servicer.queued, failovers=lambda: cluster.failovers
+        running=lambda: servicer.active,
+        waiting=lambda: servicer.queued,
+        failovers=lambda: cluster.failovers,
+        preemptions=lambda: cluster.preemptions,
+        stalls=lambda: cluster.stalls,
     )
     add_servicer(server, servicer, coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"])
     registry_servicer = RegistryServicer(
@@ -155,11 +159,11 @@ async def _maintain(cluster: Cluster) -> None:
 
 
 async def _probe(cluster: Cluster, *, every: float) -> None:
-    """Readiness probes, apart from `_maintain` so that a hung worker cannot delay it; a failed
-    round is logged and the loop goes on."""
+    """Readiness probes, apart from `_maintain`: each due worker's runs on its own, so a hung
+    worker's delays nothing else; a failed round is logged and the loop goes on."""
     while True:
         try:
-            await cluster.probe_workers(every=every)
+            cluster.probe_workers(every=every)
         except Exception:
             log.exception("probe round failed")
         await asyncio.sleep(0.25)

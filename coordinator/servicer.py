@@ -245,6 +245,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             last_failover_gap_seconds=self.cluster.last_failover_gap,
             max_failover_gap_seconds=self.cluster.max_failover_gap,
             shared_prefix_tokens=self.cluster.shared_prefix_tokens,
+            preemptions=self.cluster.preemptions,
+            stalls=self.cluster.stalls,
         )
         for w in registry.workers():
             entry = response.workers.add(

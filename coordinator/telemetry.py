@@ -31,7 +31,7 @@ from layerline.shared.errors import Code
 from layerline.shared.sampling import SamplingParams
 from layerline.shared.telemetry import SECONDS_BUCKETS, Telemetry
 
-from .scheduler import Outcome, PlannedStep, Sequence, StepFailed
+from .steps import Outcome, PlannedStep, Sequence, StepFailed
 
 
 @dataclass(frozen=True)
@@ -87,8 +87,17 @@ class CoordinatorTelemetry:
         self.model_name = model_name
         self._instruments = _Instruments.on(self.meter) if self.meter is not None else None
 
-    def watch(self, *, running: Callable[[], int], waiting: Callable[[], int], failovers: Callable[[], int]) -> None:
-        """Gauges read at each scrape: requests generating, requests waiting for a slot, failovers."""
+    def watch(
+        self,
+        *,
+        running: Callable[[], int],
+        waiting: Callable[[], int],
+        failovers: Callable[[], int],
+        preemptions: Callable[[], int] = lambda: 0,
+        stalls: Callable[[], int] = lambda: 0,
+    ) -> None:
+        """Gauges read at each scrape: requests generating, requests waiting for a slot; counters
+        of failovers, preemptions and stalled chains."""
         if self.meter is None:
             return
 
@@ -112,6 +121,18 @@ class CoordinatorTelemetry:
             [reading(failovers)],
             unit="{sequence}",
             description="Sequences moved off a failed chain",
+        )
+        self.meter.create_observable_counter(
+            "layerline_num_preemptions",
+            [reading(preemptions)],
+            unit="{sequence}",
+            description="Sequences whose KV was freed for an older sequence's and recomputed later",
+        )
+        self.meter.create_observable_counter(
+            "layerline_chain_stalls",
+            [reading(stalls)],
+            unit="{chain}",
+            description="Chains that stopped answering steps within their stall bound",
         )
 
     def request(
@@ -272,7 +293,7 @@ class StepSpans:
                 },
             )
             propagate.inject(carrier, context=set_span_in_context(span))
-            self._spans[s.seq.sequence_id] = span
+            self._spans[s.seq.kv_id] = span  # outcomes name the KV
 
     def done(self, outcomes: list[Outcome]) -> None:
         """The step came back: a span whose sequence failed on a stage gets that error."""

@@ -306,7 +306,7 @@ def test_any_failure_of_one_workers_probe_leaves_the_others_probed(monkeypatch: 
             cluster = Cluster(registry, max_message_bytes=BIG, token_budget=64, links=MemberLinks(route_key=b"k" * 32))
             rounds = []
             for _ in range(2):  # the failing ones are due again: the next round runs just the same
-                await cluster.probe_workers(every=60)
+                await asyncio.gather(*cluster.probe_workers(every=60))
                 rounds.append([w.address for w in registry.routable()])
             assert sorted(w.address for w in registry.due_for_probe(every=60)) == sorted([unknown, raises, broken])
             await cluster.close()
@@ -362,8 +362,9 @@ def test_the_maintenance_and_probe_loops_outlive_a_failing_round(caplog: pytest.
             if self.rounds == 1:
                 raise RuntimeError("a worker answered nonsense")
 
-        async def probe_workers(self, *, every: float) -> None:
+        def probe_workers(self, *, every: float) -> list[asyncio.Task[None]]:
             self.refresh()
+            return []
 
     async def run() -> tuple[int, int]:
         maintained, probed = Flaky(), Flaky()

@@ -25,7 +25,7 @@ class HeldSteps:
 
     def answer(self, i: int) -> None:
         step, future = self.steps[i]
-        future.set_result([Outcome(s.seq.sequence_id, token_id=7 if s.sample else None) for s in step.slices])
+        future.set_result([Outcome(s.seq.kv_id, token_id=7 if s.sample else None) for s in step.slices])
 
 
 def seq(name: str, prompt: list[int]) -> Sequence:
@@ -179,7 +179,7 @@ def test_only_sequences_that_ended_normally_are_cached_and_a_lent_one_is_freed_a
     asyncio.run(run())
 
 
-def test_a_full_kv_cache_on_a_stage_empties_the_prefix_cache():
+def test_a_stage_that_refuses_kv_empties_the_prefix_cache_and_the_sequence_is_recomputed_under_a_new_name():
     async def run() -> None:
         sender = HeldSteps()
         sched = started(sender, depth=1, cache_tokens=64, block_size=4)
@@ -187,16 +187,29 @@ def test_a_full_kv_cache_on_a_stage_empties_the_prefix_cache():
             await run_to_end(sched, sender, ending(name, [first] * 6, tokens=1))
         assert list(sched.cached) == ["a", "b"]
         errors: list[tuple[int, str]] = []
-        big = Sequence(
-            "big", [5] * 40, SamplingParams(), on_token=lambda *a: None, on_error=lambda *e: errors.append(e)
-        )
+        big = Sequence("big", [5] * 40, SamplingParams(), on_token=lambda *a: None, on_error=lambda *e: None)
+
+        def on_error(*error: object) -> None:  # as a request's generation ends
+            errors.append(error)  # type: ignore[arg-type]
+            big.done = True
+
+        big.on_error = on_error
         sched.add(big)
         await settle()
-        _step, future = sender.steps[-1]
-        future.set_result([Outcome("big", error_code=8, error_message="KV cache exhausted")])
+        for attempt in range(6):  # a stage that holds KV the ledger does not know of refuses it again and again
+            step, future = sender.steps[-1]
+            assert [(s.seq.kv_id, s.start) for s in step.slices] == [("big" + (f".{attempt}" if attempt else ""), 0)]
+            future.set_result([Outcome(big.kv_id, error_code=8, error_message="KV cache full")])
+            await settle()
+            if attempt == 0:
+                assert errors == [] and not sched.cached and sorted(sender.released) == ["a", "b", "big"]
+            if attempt < 5:
+                await asyncio.sleep(0.1 * 2 ** (attempt + 1) + 0.05)  # it waits longer each time
+                await settle()
+        assert errors == [(8, "KV cache full (refused 5 times)")]
+        sched.finish(big)  # as the request's end does
         await settle()
-        assert errors == [(8, "KV cache exhausted")]
-        assert not sched.cached and sorted(sender.released) == ["a", "b"]
+        assert sender.released[-1] == "big.5" and not sched.held
         await sched.stop()
 
     asyncio.run(run())
@@ -265,6 +278,70 @@ def test_only_a_step_sent_while_no_other_is_in_flight_is_marked_alone():
         sender.answer(1)
         await settle()
         assert [step.alone for step, _ in sender.steps] == [True, False, False, False]
+        await sched.stop()
+
+    asyncio.run(run())
+
+
+def test_a_running_sequence_short_of_kv_preempts_the_youngest_which_is_recomputed_from_its_history():
+    async def run() -> None:
+        sender = HeldSteps()
+        # 4 blocks of 2 tokens: a (oldest) and b fill them with their prompts and first token
+        sched = started(sender, depth=1, block_size=2, kv_blocks=4, share_prefixes=False)
+        a, b = seq("a", [1, 2, 3]), seq("b", [4, 5, 6])
+        sched.add(a)
+        sched.add(b)
+        await settle()
+        assert [(s.seq.kv_id, s.start) for s in sender.steps[0][0].slices] == [("a", 0), ("b", 0)]
+        sender.answer(0)
+        await settle()
+        assert sched.held == {"a": 4, "b": 4}  # position 3 of each is in flight: 2 blocks each, all of them
+        sender.answer(1)
+        await settle()
+        a_decodes = sender.steps[-1][0]
+        assert [(s.seq.kv_id, s.start) for s in a_decodes.slices] == [("a", 4)]  # b gave way, in this very step
+        assert a_decodes.release == ("b",) and b.kv_id == "b.1" and b.preemptions == 1 and b.fed == 0
+        assert b.generated == [7, 7]  # its tokens stay: they are recomputed, not drawn again
+        sched.finish(a)
+        sender.answer(-1)
+        await settle()
+        recompute = sender.steps[-1][0]
+        assert [(s.seq.kv_id, s.start, s.token_ids) for s in recompute.slices] == [("b.1", 0, (4, 5, 6, 7, 7))]
+        await sched.stop()
+
+    asyncio.run(run())
+
+
+def test_a_new_sequence_waits_until_its_whole_history_fits_and_one_that_never_can_fails():
+    async def run() -> None:
+        sender = HeldSteps()
+        sched = started(sender, depth=2, block_size=4, kv_blocks=4, share_prefixes=False)
+        errors: list[tuple[int, str]] = []
+        first, second = seq("first", [1] * 10), seq("second", [2] * 6)  # 3 and 2 blocks with the next token
+        huge = seq("huge", [3] * 16)  # 5 blocks: more than the chain holds
+
+        def on_error(*error: object) -> None:  # as a request's generation ends
+            errors.append(error)  # type: ignore[arg-type]
+            huge.done = True
+
+        huge.on_error = on_error
+        for s in (first, second, huge):
+            sched.add(s)
+        await settle()
+        assert [s.seq.kv_id for st, _ in sender.steps for s in st.slices] == ["first"]  # second waits: no preemption
+        assert errors == [
+            (
+                8,
+                "sequence huge needs 5 KV blocks of 4 tokens for 17 positions; the smallest stage of "
+                "its chain holds 4 (raise --kv-memory on the stages, or ask for fewer tokens)",
+            )
+        ]
+        sched.finish(first)
+        sched.finish(huge)
+        sender.answer(0)
+        await settle()
+        assert sender.released == ["first"]
+        assert [s.seq.kv_id for s in sender.steps[-1][0].slices] == ["second"]
         await sched.stop()
 
     asyncio.run(run())
