@@ -6,8 +6,10 @@ never will, so a stage frees such KV in two ways:
   registered are none of its own (`free_unknown`);
 - by age, whatever coordinator there is: a sequence that no step has touched (named it, or copied
   a prefix from it) for `ttl` seconds (`--orphan-ttl`) is freed by a sweep every
-  `min(ttl / 4, 5 s)` (`sweep_forever`). A live coordinator steps every sequence it keeps, so
-  only KV it forgot ages out; the probe's scratch sequence is never freed here.
+  `min(ttl / 4, 5 s)` (`sweep_forever`). A live coordinator steps each sequence it generates
+  for every few seconds at most, so what ages out is KV it forgot, or a prefix it caches that no
+  request copied for that long (it is told the TTL in `WorkerInfo`). The probe's scratch
+  sequence is never freed here.
 
 Everything the engine owns is read and freed on the compute thread, so the sweeps run there, in
 order with the steps. Knows nothing of gRPC, of the coordinator's address or of the schedule.
