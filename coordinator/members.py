@@ -10,6 +10,7 @@ Knows nothing of requests or the schedule.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import grpc
@@ -109,6 +110,7 @@ def worker_of(info: common_pb2.WorkerInfo) -> Worker:
         state=_enum_name(common_pb2.WorkerState, info.state, "worker.state").removeprefix("WORKER_STATE_"),
         steps_computed=info.steps_computed,
         compute_seconds=info.compute_seconds,
+        orphan_ttl=_seconds(info.orphan_ttl_seconds, "worker.orphan_ttl_seconds"),
     )
 
 
@@ -136,6 +138,7 @@ def worker_info(w: Worker) -> common_pb2.WorkerInfo:
         weights_bytes=w.weights_bytes,
         steps_computed=w.steps_computed,
         compute_seconds=w.compute_seconds,
+        orphan_ttl_seconds=w.orphan_ttl,
         state=state if state in common_pb2.WorkerState.keys() else "WORKER_STATE_NOT_SERVING",
     )
 
@@ -146,3 +149,10 @@ def _enum_name(enum: Any, value: int, field: str) -> str:
         return str(enum.Name(value))
     except ValueError:
         raise InvalidInput(f"{field} = {value} is not one this coordinator knows") from None
+
+
+def _seconds(value: float, field: str) -> float:
+    """A reported duration; InvalidInput unless it is finite and not negative."""
+    if not math.isfinite(value) or value < 0:
+        raise InvalidInput(f"{field} = {value} must be a finite number of seconds, 0 or more")
+    return value

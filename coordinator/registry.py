@@ -44,7 +44,7 @@ class Worker:
     weights_bytes: int = 0  # weights one rank holds
     steps_computed: int = 0  # since it started, and their compute time (as of its last heartbeat)
     compute_seconds: float = 0.0
-    orphan_ttl: float = 0.0  # seconds after which it frees KV no step touched; 0: never
+    orphan_ttl: float = 0.0  # it frees the KV of a sequence no step touched for this long (seconds); 0: never
 
 
 @dataclass

@@ -1,6 +1,8 @@
 """One stage's step execution: validate a micro-batch, run the layers, sample on the last stage.
 
-Owns the `StageModel`, its `PagedKVCache` and the rules a step must satisfy. A step is checked
+Owns the `StageModel`, its `PagedKVCache`, when a step last touched each sequence it holds
+(monotonic seconds: the sequences a step names and those it copies a prefix from, whether or
+not they ran) and the rules a step must satisfy. A step is checked
 sequence by sequence: a sequence that breaks a rule (positions that skip or repeat, token ids
 outside the vocabulary, an unknown sequence, a cache that cannot hold it) is dropped from the
 step with a typed error while the others run. Works on plain dataclasses and tensors; the
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -73,6 +75,7 @@ class StageEngine:
         max_threads: int | None = None,
         prefill_threads: int | None = None,
         samples: bool = True,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -84,6 +87,8 @@ class StageEngine:
         self.compute_seconds = 0.0
         self._lock = threading.Lock()
         self._chains: dict[str, str] = {}  # sequence id -> the chain it started on (one per held sequence)
+        self.clock = clock  # seconds, only ever increasing: when steps touch sequences
+        self._touched: dict[str, float] = {}  # held sequence id -> when a step last touched it
         # On CPU a step of a few tokens is bound by memory bandwidth: one thread reads the weights
         # as fast as several, and leaves the other cores to co-located processes.
         self.max_threads = max_threads or torch.get_num_threads()
@@ -104,7 +109,18 @@ class StageEngine:
     def release(self, sequence_id: str) -> bool:
         with self._lock:
             self._chains.pop(sequence_id, None)
+            self._touched.pop(sequence_id, None)
             return self.cache.release(sequence_id)
+
+    def untouched(self, seconds: float) -> list[str]:
+        """The held sequences no step has touched for longer than `seconds` (never a probe's scratch one)."""
+        with self._lock:
+            now = self.clock()
+            return [
+                sid
+                for sid in self.cache.sequences()
+                if not sid.startswith("\x00") and now - self._touched[sid] > seconds
+            ]
 
     def probe(self) -> None:
         """Readiness: a real one-token forward through this stage on scratch KV, then released."""
@@ -143,7 +159,18 @@ class StageEngine:
         with self._lock:
             if self.cache.device.type == "cpu":
                 self._use_threads(sum(s.num_tokens for s in seqs), alone=alone)
-            return self._run(seqs, hidden, chain)
+            try:
+                return self._run(seqs, hidden, chain)
+            finally:
+                self._touch(seqs)
+
+    def _touch(self, seqs: Sequence[SequenceStep]) -> None:
+        """A step touches the held sequences it names, as a sequence of it or as a prefix's lender."""
+        now = self.clock()
+        for seq in seqs:
+            for sid in (seq.sequence_id, seq.prefix_from):
+                if sid in self.cache:
+                    self._touched[sid] = now
 
     def _use_threads(self, step_tokens: int, *, alone: bool) -> None:
         if step_tokens <= SMALL_STEP_TOKENS:

@@ -38,6 +38,7 @@ from .codec import CodecLimits, dtype_to_wire
 from .engine import StageEngine
 from .hops import NextHops
 from .kv_cache import CacheShape, PagedKVCache
+from .orphans import Orphans
 from .parallel import TensorParallel
 from .ranks import LeadingEngine, RankFailed, follow
 from .routing import RouteGuard
@@ -159,6 +160,7 @@ class StageWorker:
             state=self.state,
             steps_computed=engine.steps_computed if engine else 0,
             compute_seconds=engine.compute_seconds if engine else 0.0,
+            orphan_ttl_seconds=self.settings.orphan_ttl,
         )
 
     async def serve(self, *, stop: asyncio.Event | None = None) -> None:
@@ -188,8 +190,15 @@ class StageWorker:
         hops = NextHops(max_message_bytes=s.max_message_bytes, credentials=self.member_credentials)
         self.servicer = self._servicer(hops, telemetry, tls=tls is not None)
         proxy.target = self.servicer
+        orphans = Orphans(
+            self.servicer.engine,
+            on_compute_thread=self.servicer.on_compute_thread,
+            ttl=s.orphan_ttl,
+            telemetry=self.servicer.telemetry,
+        )
         await self._open(bound, telemetry)
-        membership = asyncio.create_task(self._membership(s.coordinator)) if s.coordinator else None
+        membership = asyncio.create_task(self._membership(s.coordinator, orphans)) if s.coordinator else None
+        sweeps = asyncio.create_task(orphans.sweep_forever())
         watch = asyncio.create_task(self._watch_ranks(stop)) if self.followers else None
         await stop.wait()
         # Draining: NOT_SERVING first, so no new sequence comes; then leave the coordinator, which
@@ -197,6 +206,7 @@ class StageWorker:
         log.info("draining: NOT_SERVING, waiting up to %.0fs for in-flight calls", s.grace_seconds)
         self.state = common_pb2.WORKER_STATE_DRAINING
         await self.health.enter_graceful_shutdown()
+        sweeps.cancel()
         if membership is not None and s.coordinator is not None:
             membership.cancel()
             await self._deregister(s.coordinator, "draining (SIGTERM)")
@@ -276,7 +286,7 @@ class StageWorker:
                 stop.set()
                 return
 
-    async def _membership(self, coordinator: str) -> None:
+    async def _membership(self, coordinator: str, orphans: Orphans) -> None:
         """Register with the coordinator and heartbeat; register again whenever it forgets us."""
         async with aio_channel(coordinator, credentials=self.member_credentials) as channel:
             stub = coordinator_pb2_grpc.RegistryStub(channel)
@@ -284,14 +294,14 @@ class StageWorker:
             while True:
                 try:
                     if not known:
-                        held = await self._held_sequences()  # before registering: no step of this registration
+                        held = await orphans.held()  # before registering: no step of this registration
                         reply = await stub.Register(coordinator_pb2.RegisterRequest(worker=self.info()), timeout=5)
                         interval = max(reply.heartbeat_interval_ms / 1000, 0.05)
                         self.routes.key = reply.route_key or None  # the routes this stage follows from now on
                         log.info("registered with coordinator %s", coordinator)
                         known = True
                         if not reply.known and held:
-                            await self._free_orphans(held)
+                            await orphans.free_unknown(held)
                     else:
                         beat = await stub.Heartbeat(coordinator_pb2.HeartbeatRequest(worker=self.info()), timeout=5)
                         known = beat.known
@@ -302,19 +312,6 @@ class StageWorker:
                     if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
                         log.error("coordinator %s refused this stage: %s", coordinator, err.details())
                 await asyncio.sleep(interval)
-
-    async def _held_sequences(self) -> list[str]:
-        if self.servicer is None or self.engine is None:
-            return []
-        held = await self.servicer.on_compute_thread(self.engine.cache.sequences)  # where the cache changes
-        return [sid for sid in held if not sid.startswith("\x00")]  # not a probe's scratch sequence
-
-    async def _free_orphans(self, held: list[str]) -> None:
-        """Free the KV of sequences the coordinator no longer routes to: it did not know this worker."""
-        engine = self.engine
-        assert self.servicer is not None and engine is not None
-        freed = await self.servicer.on_compute_thread(lambda: sum(engine.release(s) for s in held))
-        log.warning("coordinator did not know this worker: freed %d sequence(s) it no longer routes to", freed)
 
     async def _deregister(self, coordinator: str, reason: str) -> None:
         async with aio_channel(coordinator, credentials=self.member_credentials) as channel:

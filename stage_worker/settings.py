@@ -8,6 +8,7 @@ the standard library and `layerline.shared.settings`, so `layerline --help` stay
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from layerline.shared.settings import DEFAULT_MAX_MESSAGE_BYTES, DTYPES, TelemetrySettings, TLSSettings
@@ -43,6 +44,7 @@ class StageSettings:
     tls: TLSSettings = field(default_factory=TLSSettings)  # mutual TLS with the cluster's members; off: plaintext
     max_concurrent_rpcs: int = 256  # calls served at once; past it gRPC refuses new ones
     health_port: int = 0  # a plaintext port serving only grpc.health.v1 (for probes that speak no TLS); 0: none
+    orphan_ttl: float = 300.0  # free the KV of a sequence no step touched for this long (seconds); 0: never
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -51,6 +53,8 @@ class StageSettings:
             raise ValueError(f"--weight-layout {self.weight_layout!r} is not one of {', '.join(WEIGHT_LAYOUTS)}")
         if self.max_concurrent_rpcs < 1:
             raise ValueError(f"--max-concurrent-rpcs {self.max_concurrent_rpcs} must be at least 1")
+        if not 0 <= self.orphan_ttl < math.inf:  # NaN fails too
+            raise ValueError(f"--orphan-ttl {self.orphan_ttl} must be a finite number of seconds, 0 or more (0: never)")
         if self.tp < 1:
             raise ValueError(f"--tp {self.tp} must be at least 1")
         for name in ("threads", "prefill_threads"):

@@ -12,8 +12,9 @@ Owns
   runs from the header's arrival to the answer, and carries the step's figures as attributes.
 - `StreamTelemetry`: the steps of one upstream Step stream not answered yet, by step id.
 - `StageTelemetry`: the stage's tracer and instruments, and the gauges read at each scrape:
-  KV blocks used and free, and the pipeline bubble fraction (`BusyClock`). With tracing and
-  metrics off (`on` False), its streams give `StepClock`s and it measures nothing.
+  KV blocks used and free, and the pipeline bubble fraction (`BusyClock`); the count of orphaned
+  sequences freed. With tracing and metrics off (`on` False), its streams give `StepClock`s and
+  it measures nothing.
 
 Its callers (frames, compute, delivery, the servicer) hand in plain values: ids, carriers, sizes,
 messages of errors; it never reads a wire message. Knows nothing of the model or tensors.
@@ -145,6 +146,13 @@ class StageTelemetry:
             unit="s",
             description="Time this stage held live sequences",
         )
+        self.orphans_freed = meter.create_counter(
+            "layerline_stage_orphans_freed",
+            unit="{sequence}",
+            description="Sequences whose KV this stage freed because no coordinator would step them again: "
+            "reason=unknown (a coordinator registered this stage without knowing it) or reason=ttl "
+            "(no step touched them for --orphan-ttl seconds)",
+        )
         meter.create_observable_counter(
             "layerline_stage_bubble_seconds",
             gauge(lambda: self.clock.totals()[1]),
@@ -164,6 +172,12 @@ class StageTelemetry:
         """Sequences were released outside a step: the stage may have become inactive."""
         if self.on:
             self.clock.set_active(self.kv_blocks()[0] > 0)
+
+    def orphans(self, freed: int, *, reason: str) -> None:
+        """`freed` sequences no coordinator would step again were released; `reason`: unknown or ttl."""
+        if self.metrics and freed:
+            self.orphans_freed.add(freed, {"layers": self.layers, "reason": reason})
+        self.released()
 
 
 class StreamTelemetry:

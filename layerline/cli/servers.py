@@ -51,6 +51,7 @@ def _run_stage(args: argparse.Namespace) -> int:
             tls=tls_settings(args),
             max_concurrent_rpcs=args.max_concurrent_rpcs,
             health_port=args.health_port,
+            orphan_ttl=args.orphan_ttl,
         )
     from layerline.model_store import ModelStoreError
     from layerline.shared.model_config import ConfigError
@@ -148,6 +149,19 @@ def add_stage_commands(commands: Subcommands) -> None:
         default=S.tp_timeout,
         metavar="S",
         help=f"a rank that dies or hangs fails the whole stage within about S seconds (default: {S.tp_timeout:g})",
+    )
+    stage.add_argument(
+        "--orphan-ttl",
+        type=float,
+        default=S.orphan_ttl,
+        metavar="S",
+        help="free the KV of a sequence that no step has touched (as a sequence of the step, or as the "
+        "lender of a copied prefix) for S seconds: what a coordinator that crashed left here. A live "
+        "coordinator steps each sequence it generates for every few seconds at most; the default leaves a "
+        "wide margin and still gives the memory back within minutes. S is reported to the coordinator: its "
+        "cached prefixes that no request copied for S seconds are gone here. Checked every min(S/4, 5) "
+        "seconds. 0: never; such KV is then freed only when this stage registers with a coordinator that "
+        f"did not know it (default: {S.orphan_ttl:g})",
     )
     add_telemetry_flags(
         stage,
