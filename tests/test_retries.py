@@ -22,6 +22,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from layerline.cli import main
 from layerline.client import (
     AsyncClient,
     Client,
@@ -107,6 +108,17 @@ def test_only_not_now_statuses_are_retried_before_any_answer_within_the_bound() 
         bounded.start()
         waits.append(bounded.wait_before_retry(unavailable))
     assert waits == [pytest.approx(0.1), pytest.approx(0.2), None] and unavailable.attempts == 3
+
+
+def test_the_retries_flag_of_the_client_commands(
+    retries: Callable[[], list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = f"127.0.0.1:{free_port()}"  # nothing listens there
+    assert main(["generate", "--target", target, "--retries", "2", "hi"]) == 2
+    assert capsys.readouterr().err.startswith("error: UNAVAILABLE: ")
+    assert [m.rpartition("; ")[2][:10] for m in retries()] == ["retry 1 of", "retry 2 of"]
+    assert main(["generate", "--target", target, "--retries", "-1", "hi"]) == 2
+    assert capsys.readouterr().err == "error: retries must be >= 0, got -1\n"
 
 
 @pytest.fixture(scope="module")
