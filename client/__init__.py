@@ -4,7 +4,9 @@
     with Client("127.0.0.1:7070") as c:
         print(c.generate("Once upon a time", max_tokens=32, temperature=0.0).text)
 
-The keyword options of `generate`, `stream`, `chat` and `chat_stream` are `RequestOptions`.
+The keyword options of `generate`, `stream`, `chat` and `chat_stream` are `RequestOptions`. A
+call refused with UNAVAILABLE or RESOURCE_EXHAUSTED before its first token is made again, at
+most `retries` times (`Client(..., retries=3)`, the default; `layerline.client.retry` says how).
 
 Owns nothing but the caller's requests and their streams. Needs only grpcio and protobuf (and
 sends the caller's trace context when OpenTelemetry is installed); it never imports torch or

@@ -24,13 +24,17 @@ Metadata = tuple[tuple[str, str | bytes], ...]
 
 
 class LayerlineError(Exception):
-    """A call failed with a gRPC status; `code` and `details` are the server's."""
+    """A call failed with a gRPC status; `code` and `details` are the server's (of its last attempt).
+
+    `attempts`: how many times the client made the call, its retries included (see `retries=`).
+    """
 
     def __init__(self, code: grpc.StatusCode, details: str, *, metadata: Metadata = ()) -> None:
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
         self.metadata = metadata  # the call's trailing metadata
+        self.attempts = 1  # set by the client once it gives up
 
 
 class InvalidArgument(LayerlineError):
@@ -38,7 +42,8 @@ class InvalidArgument(LayerlineError):
 
 
 class ResourceExhausted(LayerlineError):
-    """The server is full (or a limit was hit); retry after `retry_after` seconds if given.
+    """The server is full (or a limit was hit); retry after `retry_after` seconds if given (the
+    client already did, `retries=` times, when no token had arrived).
 
     `retry_after` comes from the `retry-after-ms` trailer, or else from gRPC's standard
     `grpc-retry-pushback-ms`; a value that is not a finite number is no hint, and the other is read.
@@ -50,7 +55,8 @@ class ResourceExhausted(LayerlineError):
 
 
 class Unavailable(LayerlineError):
-    """The server or the workers behind it cannot serve now (after bounded retries)."""
+    """The server or the workers behind it cannot serve now (after the coordinator's bounded
+    failover, and the client's `retries=` when no token had arrived)."""
 
 
 class DeadlineExceeded(LayerlineError):

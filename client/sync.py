@@ -1,14 +1,16 @@
 """The blocking client: `Client`, one gRPC channel to a coordinator.
 
-Owns the channel, each call's deadline and trace metadata, and turning gRPC failures (also those
-in the middle of a stream) into the typed errors of `layerline.client.errors`. Knows nothing of
-tokens beyond the ids the coordinator returns, nor of the messages' fields or the options'
-limits: `wire` checks the options, builds the requests and reads the answers.
+Owns the channel, each call's deadline and trace metadata, making a call again while `retry`
+says so (sleeping in the caller's thread), and turning gRPC failures (also those in the middle
+of a stream) into the typed errors of `layerline.client.errors`. Knows nothing of tokens beyond
+the ids the coordinator returns, nor of the messages' fields or the options' limits: `wire`
+checks the options, builds the requests and reads the answers.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Protocol, TypeVar
@@ -20,6 +22,7 @@ from layerline.shared.rpc import channel_options
 
 from . import wire
 from .errors import error_from_rpc
+from .retry import DEFAULT_RETRIES, GENERATE_CODES, INFO_CODES, Attempts, Limits
 from .tracing import call_metadata
 from .types import Chunk, ClusterStatus, Completion, ModelInfo, RequestOptions
 from .wire import INFO_TIMEOUT
@@ -47,6 +50,10 @@ class Client:
     `token`: the bearer token sent with every call, when the coordinator requires one.
     `ca_cert`: a PEM file of the CA that signed the coordinator's certificate; the channel is then
     TLS (`credentials`, gRPC channel credentials, is the same for other setups). Neither: plaintext.
+    `retries`: how many times a call that got UNAVAILABLE or RESOURCE_EXHAUSTED before any token
+    arrived is made again, after the server's retry hint or else a backoff (0.2 s doubling up to
+    5 s, with jitter), within the call's timeout; never once a token has arrived. 0: never.
+    The `retries` option of a call overrides it. See `layerline.client.retry`.
     """
 
     def __init__(
@@ -56,8 +63,10 @@ class Client:
         token: str | None = None,
         ca_cert: str | os.PathLike[str] | None = None,
         credentials: grpc.ChannelCredentials | None = None,
+        retries: int = DEFAULT_RETRIES,
     ) -> None:
         self.target = target
+        self.retries = wire.check_retries(retries)
         self._auth = wire.auth_metadata(token)  # sent with every call
         credentials = wire.channel_credentials(ca_cert, credentials)
         if credentials is None:
@@ -75,7 +84,8 @@ class Client:
         """Completes `prompt` and returns the whole answer.
 
         Options (`RequestOptions`): max_tokens, temperature (0 is greedy), top_p, top_k, min_p,
-        repetition_penalty, seed, stop, logprobs; model; timeout (seconds for the whole call).
+        repetition_penalty, seed, stop, logprobs; model; timeout (seconds for the whole call);
+        retries (made again while no token has arrived; the client's by default).
         """
         return wire.completion_from(list(self.stream(prompt, **options)))
 
@@ -84,16 +94,18 @@ class Client:
         finish_reason and usage. Arguments are checked now; the call starts at the first `next`.
 
         Options (`RequestOptions`): max_tokens, temperature (0 is greedy), top_p, top_k, min_p,
-        repetition_penalty, seed, stop, logprobs; model; timeout (seconds for the whole call).
+        repetition_penalty, seed, stop, logprobs; model; timeout (seconds for the whole call);
+        retries (made again while no token has arrived; the client's by default).
         """
-        request, timeout = wire.request_of(prompt, options, chat=False)
-        return self._chunks(self._stub.Generate, request, timeout)
+        request, limits = wire.request_of(prompt, options, chat=False, retries=self.retries)
+        return self._chunks(self._stub.Generate, request, limits)
 
     def chat(self, messages: Sequence[Mapping[str, str]], **options: Unpack[RequestOptions]) -> Completion:
         """Answers a conversation (`[{"role": "user", "content": "Hi"}, ...]`) in one piece.
 
         Options (`RequestOptions`): max_tokens, temperature (0 is greedy), top_p, top_k, min_p,
-        repetition_penalty, seed, stop, logprobs; model; timeout (seconds for the whole call).
+        repetition_penalty, seed, stop, logprobs; model; timeout (seconds for the whole call);
+        retries (made again while no token has arrived; the client's by default).
         """
         return wire.completion_from(list(self.chat_stream(messages, **options)))
 
@@ -101,24 +113,26 @@ class Client:
         """Answers a conversation, yielding the reply as it is generated (see `stream`).
 
         Options (`RequestOptions`): max_tokens, temperature (0 is greedy), top_p, top_k, min_p,
-        repetition_penalty, seed, stop, logprobs; model; timeout (seconds for the whole call).
+        repetition_penalty, seed, stop, logprobs; model; timeout (seconds for the whole call);
+        retries (made again while no token has arrived; the client's by default).
         """
-        request, timeout = wire.request_of(messages, options, chat=True)
-        return self._chunks(self._stub.Chat, request, timeout)
+        request, limits = wire.request_of(messages, options, chat=True, retries=self.retries)
+        return self._chunks(self._stub.Chat, request, limits)
 
     def models(self, *, timeout: float = INFO_TIMEOUT) -> list[ModelInfo]:
-        """The models the coordinator serves."""
+        """The models the coordinator serves (retried on UNAVAILABLE, as `retries=` says)."""
         response = self._unary(self._stub.ListModels, coordinator_pb2.ListModelsRequest(), timeout)
         return wire.models_from(response)
 
     def cluster(self, *, timeout: float = INFO_TIMEOUT) -> ClusterStatus:
-        """The coordinator's view of its workers, chains and requests."""
+        """The coordinator's view of its workers, chains and requests (retried as `models` is)."""
         response = self._unary(self._stub.ClusterStatus, coordinator_pb2.ClusterStatusRequest(), timeout)
         return wire.cluster_from(response)
 
     def health(self, service: str = "", *, timeout: float = INFO_TIMEOUT) -> str:
-        """The standard gRPC health check: "SERVING", "NOT_SERVING", ... ("" is the whole server)."""
-        return self._unary(self._health_check, service, timeout)
+        """The standard gRPC health check: "SERVING", "NOT_SERVING", ... ("" is the whole server).
+        Never retried: an UNAVAILABLE here is the answer."""
+        return self._unary(self._health_check, service, timeout, retries=0)
 
     def close(self) -> None:
         """Closes the channel; calls still running fail with CANCELLED."""
@@ -132,26 +146,45 @@ class Client:
     ) -> None:
         self.close()
 
-    def _chunks(self, method: _StreamMethod, request: wire.Request, timeout: float) -> Iterator[Chunk]:
-        """The stream's chunks; built eagerly so that the caller's trace context is the one sent."""
+    def _chunks(self, method: _StreamMethod, request: wire.Request, limits: Limits) -> Iterator[Chunk]:
+        """The stream's chunks; built eagerly so that the caller's trace context is the one sent.
+        The call is made again while `Attempts` says so, never once a chunk has arrived."""
         metadata = call_metadata() + self._auth
         with_logprobs = request.sampling.HasField("logprobs")
 
         def chunks() -> Iterator[Chunk]:
-            call = method(request, timeout=timeout, metadata=metadata)
-            try:
-                for response in call:
-                    yield wire.chunk_from(response, with_logprobs=with_logprobs)
-            except grpc.RpcError as err:
-                raise error_from_rpc(err) from err
-            finally:
-                call.cancel()  # a no-op after the end; stops the server when the caller stops early
+            attempts = Attempts(limits, GENERATE_CODES)
+            while True:
+                call = method(request, timeout=attempts.start(), metadata=metadata)
+                answered = False  # once a chunk has arrived, an error ends the call
+                try:
+                    for response in call:
+                        answered = True
+                        yield wire.chunk_from(response, with_logprobs=with_logprobs)
+                    return
+                except grpc.RpcError as err:
+                    error = error_from_rpc(err)
+                    wait = attempts.wait_before_retry(error, answered=answered)
+                    if wait is None:
+                        raise error from err
+                finally:
+                    call.cancel()  # a no-op after the end; stops the server when the caller stops early
+                time.sleep(wait)
 
         return chunks()
 
-    def _unary(self, method: Callable[..., _Response], request: object, timeout: float) -> _Response:
-        deadline, metadata = wire.check_timeout(timeout), call_metadata() + self._auth
-        try:
-            return method(request, timeout=deadline, metadata=metadata)
-        except grpc.RpcError as err:
-            raise error_from_rpc(err) from err
+    def _unary(
+        self, method: Callable[..., _Response], request: object, timeout: float, *, retries: int | None = None
+    ) -> _Response:
+        """One answer; made again on UNAVAILABLE, `retries` times (the client's when None)."""
+        limits = Limits(wire.check_timeout(timeout), self.retries if retries is None else retries)
+        attempts, metadata = Attempts(limits, INFO_CODES), call_metadata() + self._auth
+        while True:
+            try:
+                return method(request, timeout=attempts.start(), metadata=metadata)
+            except grpc.RpcError as err:
+                error = error_from_rpc(err)
+                wait = attempts.wait_before_retry(error)
+                if wait is None:
+                    raise error from err
+            time.sleep(wait)

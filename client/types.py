@@ -32,7 +32,8 @@ class RequestOptions(TypedDict, total=False):
     stop: str | Sequence[str] | None  # end the answer before any of these (non-empty) strings
     logprobs: int | None  # >= 0: each token's logprob, and the n most likely alternatives
     model: str | None  # the model's name or id; None: the one model the server serves
-    timeout: float  # seconds the whole call may take, > 0; 600 (`wire.GENERATE_TIMEOUT`) when left out
+    timeout: float  # seconds the whole call may take, retries included, > 0; 600 (`wire.GENERATE_TIMEOUT`) if left out
+    retries: int  # >= 0: times the call is made again while no token has arrived; the client's `retries` if left out
 
 
 @dataclass(frozen=True)

@@ -2,11 +2,11 @@
 
 Owns the only use of the generated protobuf classes in the SDK: `request_of`, the one place
 that checks a call's `RequestOptions` and builds its `GenerateRequest` / `ChatRequest` (a
-sampling option left as None is not sent, so the server's default applies) and its deadline,
-and the conversion of every response into the plain dataclasses of `layerline.client.types`.
-Also owns the two tiny messages of the standard gRPC health check, so that the SDK needs no
-`grpcio-health-checking`, and the check of every call's deadline. Knows nothing of channels or
-threads: `sync` and `aio` make the calls.
+sampling option left as None is not sent, so the server's default applies) and its limits
+(deadline and retries), and the conversion of every response into the plain dataclasses of
+`layerline.client.types`. Also owns the two tiny messages of the standard gRPC health check, so
+that the SDK needs no `grpcio-health-checking`, and the check of every call's deadline and
+retries. Knows nothing of channels or threads: `sync` and `aio` make the calls.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from google.protobuf import wrappers_pb2
 from layerline.protos.v1 import common_pb2, coordinator_pb2, tensor_pb2
 
 from .errors import Internal
+from .retry import Limits
 from .types import (
     ChainStatus,
     Chunk,
@@ -58,11 +59,12 @@ class _Enum(Protocol):
     def Name(self, number: int) -> str: ...
 
 
-def request_of(query: object, options: RequestOptions, *, chat: bool) -> tuple[Request, float]:
-    """The request a generating call sends and its deadline in seconds, every argument checked.
+def request_of(query: object, options: RequestOptions, *, chat: bool, retries: int) -> tuple[Request, Limits]:
+    """The request a generating call sends and its limits, every argument checked.
 
-    `query` is a prompt (a GenerateRequest), or with `chat` a conversation (a ChatRequest). An
-    option that is not one of `OPTIONS` raises TypeError, a bad value ValueError naming it.
+    `query` is a prompt (a GenerateRequest), or with `chat` a conversation (a ChatRequest);
+    `retries` is the client's, for a call whose options do not say. An option that is not one of
+    `OPTIONS` raises TypeError, a bad value ValueError naming it.
     """
     unknown = [name for name in options if name not in OPTIONS]
     if unknown:
@@ -80,7 +82,8 @@ def request_of(query: object, options: RequestOptions, *, chat: bool) -> tuple[R
     )
     model = _model(options.get("model"))
     request = _chat_request(query, model, sampling) if chat else _generate_request(query, model, sampling)
-    return request, check_timeout(options.get("timeout", GENERATE_TIMEOUT))
+    timeout = check_timeout(options.get("timeout", GENERATE_TIMEOUT))
+    return request, Limits(timeout, check_retries(options.get("retries", retries)))
 
 
 def check_timeout(timeout: object) -> float:
@@ -89,6 +92,14 @@ def check_timeout(timeout: object) -> float:
     if seconds is None:
         raise ValueError("timeout must be a number, got None")
     return seconds
+
+
+def check_retries(retries: object) -> int:
+    """How many times a call may be made again: an int >= 0 (0: never)."""
+    count = _integer("retries", retries, low=0, high=_UINT32_MAX)
+    if count is None:
+        raise ValueError("retries must be an int, got None")
+    return count
 
 
 def chunk_from(response: coordinator_pb2.GenerateResponse, *, with_logprobs: bool) -> Chunk:

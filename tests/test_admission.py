@@ -35,7 +35,7 @@ def test_a_burst_past_the_queue_bound_gets_resource_exhausted(real_model_dir, tm
         cluster.wait_ready(timeout=180)
 
         async def burst() -> list[object]:
-            async with AsyncClient(cluster.address) as client:
+            async with AsyncClient(cluster.address, retries=0) as client:  # refusals as they come, not retried
                 calls = [client.generate("Once upon a time", max_tokens=24, temperature=0.0) for _ in range(10)]
                 return await asyncio.gather(*calls, return_exceptions=True)
 

@@ -1,18 +1,21 @@
 """The client SDK against a scripted Coordinator served by a real gRPC server on 127.0.0.1.
 
 The servicer here answers each prompt with a fixed script (deltas, a final message, an error in
-the middle of a stream, RESOURCE_EXHAUSTED with a retry hint, a call slower than its deadline)
-and records every request and its metadata, so that the tests see exactly what went on the wire.
+the middle of a stream, RESOURCE_EXHAUSTED with a retry hint, a call slower than its deadline,
+a refusal for the first tries only) and records every request and its metadata, so that the
+tests see exactly what went on the wire, and how many times.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Coroutine, Iterator
 from concurrent import futures
 from contextlib import aclosing
@@ -75,6 +78,7 @@ WITH_LOGPROBS = [
 ]
 UNAVAILABLE_DETAILS = "chain 0 lost worker 127.0.0.1:7101; retries exhausted (3)"
 BUSY_DETAILS = "queue full: 64 requests waiting (limit --max-queued 64)"
+NO_CHAIN_DETAILS = "no complete chain of workers covers layers [0, 30) right now"
 
 
 @dataclass
@@ -88,6 +92,7 @@ class ScriptedCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self) -> None:
         self.received: list[Received] = []
         self.cancelled = threading.Event()  # set when the client cancelled the "endless" stream
+        self.tries: Counter[str] = Counter()  # calls per prompt (or last chat message)
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         self.received.append(Received("Generate", request, dict(context.invocation_metadata())))
@@ -98,6 +103,7 @@ class ScriptedCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
         yield from self._answer(request.messages[-1].content, request.model, context)
 
     def _answer(self, key: str, model: str, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:  # noqa: PLR0912
+        self.tries[key] += 1
         if model == "nope":
             context.abort(grpc.StatusCode.NOT_FOUND, "model 'nope' is not served")
         if key in ("Once upon a time", "Hi"):
@@ -110,6 +116,13 @@ class ScriptedCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
         elif key == "busy":
             context.set_trailing_metadata((("retry-after-ms", "1500"),))
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, BUSY_DETAILS)
+        elif key == "busy twice" and self.tries[key] <= 2:
+            context.set_trailing_metadata((("retry-after-ms", "400"),))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, BUSY_DETAILS)
+        elif key == "down" or (key == "unavailable once" and self.tries[key] == 1):
+            context.abort(grpc.StatusCode.UNAVAILABLE, NO_CHAIN_DETAILS)
+        elif key in ("busy twice", "unavailable once"):
+            yield from STORY
         elif key == "busy, pushback only":
             context.set_trailing_metadata((("grpc-retry-pushback-ms", "250"),))
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, BUSY_DETAILS)
@@ -214,6 +227,7 @@ def server() -> Iterator[tuple[str, ScriptedCoordinator]]:
 def coordinator(server: tuple[str, ScriptedCoordinator]) -> ScriptedCoordinator:
     server[1].received.clear()
     server[1].cancelled.clear()
+    server[1].tries.clear()
     return server[1]
 
 
@@ -311,28 +325,81 @@ def test_logprobs_are_returned_per_token(client: Client) -> None:
     assert [c.logprobs for c in chunks] == [expected[:1], expected[1:]]
 
 
-def test_an_error_in_the_middle_of_a_stream_is_raised_typed(client: Client) -> None:
+def test_an_error_in_the_middle_of_a_stream_is_raised_typed_and_never_retried(
+    client: Client, coordinator: ScriptedCoordinator
+) -> None:
     chunks = client.stream("fail midway")
     assert next(chunks) == STORY_CHUNKS[0]
     with pytest.raises(Unavailable) as caught:
         next(chunks)
     assert caught.value.code == grpc.StatusCode.UNAVAILABLE and caught.value.details == UNAVAILABLE_DETAILS
     assert str(caught.value) == f"UNAVAILABLE: {UNAVAILABLE_DETAILS}"
-    with pytest.raises(Unavailable):
-        client.generate("fail midway")
+    with pytest.raises(Unavailable) as whole:
+        client.generate("fail midway")  # a token had arrived, though the caller saw none
+    assert (caught.value.attempts, whole.value.attempts, coordinator.tries["fail midway"]) == (1, 1, 2)
 
 
 def test_resource_exhausted_carries_the_retry_hint(client: Client) -> None:
     with pytest.raises(ResourceExhausted) as caught:
-        client.generate("busy")
+        client.generate("busy", retries=0)
     assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert caught.value.details == BUSY_DETAILS and caught.value.retry_after == 1.5
-    assert isinstance(caught.value, LayerlineError)
+    assert isinstance(caught.value, LayerlineError) and caught.value.attempts == 1
+
+
+def test_a_refused_call_is_made_again_after_the_retry_hint(
+    client: Client, coordinator: ScriptedCoordinator, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="layerline.client")
+    start = time.monotonic()
+    assert client.generate("busy twice") == STORY_COMPLETION
+    assert time.monotonic() - start >= 0.8  # the hint (400 ms) twice; backoff alone waits 0.3 to 0.6 s
+    assert coordinator.tries["busy twice"] == 3
+    assert caplog.messages == [
+        f"RESOURCE_EXHAUSTED: {BUSY_DETAILS}; retry 1 of 3 in 0.40 s",
+        f"RESOURCE_EXHAUSTED: {BUSY_DETAILS}; retry 2 of 3 in 0.40 s",
+    ]
+
+
+def test_unavailable_before_the_first_chunk_is_retried_unless_retries_is_0(
+    server: tuple[str, ScriptedCoordinator], client: Client, coordinator: ScriptedCoordinator
+) -> None:
+    assert list(client.stream("unavailable once")) == STORY_CHUNKS
+    assert coordinator.tries["unavailable once"] == 2
+    coordinator.tries.clear()
+    with pytest.raises(Unavailable) as per_call:
+        client.generate("unavailable once", retries=0)
+    coordinator.tries.clear()
+    with Client(server[0], retries=0) as never, pytest.raises(Unavailable) as per_client:
+        never.chat([{"role": "user", "content": "unavailable once"}])
+    assert (per_call.value.attempts, per_client.value.attempts) == (1, 1)
+    assert per_client.value.details == NO_CHAIN_DETAILS and coordinator.tries["unavailable once"] == 1
+
+
+def test_retries_are_bounded_and_the_last_error_is_raised(
+    server: tuple[str, ScriptedCoordinator], coordinator: ScriptedCoordinator
+) -> None:
+    with Client(server[0], retries=2) as c, pytest.raises(Unavailable) as caught:
+        c.generate("down")
+    assert caught.value.attempts == coordinator.tries["down"] == 3
+    assert caught.value.details == NO_CHAIN_DETAILS
+
+
+def test_no_retry_waits_past_the_call_deadline(client: Client, coordinator: ScriptedCoordinator) -> None:
+    start = time.monotonic()
+    with pytest.raises(ResourceExhausted) as busy:
+        client.generate("busy", timeout=1.0)  # its hint, 1.5 s, ends past the deadline
+    assert busy.value.attempts == 1 and time.monotonic() - start < 1.0
+    start = time.monotonic()
+    with pytest.raises(Unavailable) as down:
+        client.generate("down", timeout=1.0, retries=100)
+    assert 2 <= down.value.attempts == coordinator.tries["down"] <= 5  # waits of 0.1-0.2, 0.2-0.4, 0.4-0.8 s, ...
+    assert time.monotonic() - start < 1.5
 
 
 def test_grpc_retry_pushback_alone_is_the_retry_hint(client: Client) -> None:
     with pytest.raises(ResourceExhausted) as caught:
-        client.generate("busy, pushback only")
+        client.generate("busy, pushback only", retries=0)
     assert caught.value.metadata == (("grpc-retry-pushback-ms", "250"),)
     assert caught.value.retry_after == 0.25
 
@@ -358,12 +425,13 @@ def test_retry_after_reads_either_trailer(
     assert error.retry_after == retry_after
 
 
-def test_deadline_exceeded(client: Client) -> None:
+def test_deadline_exceeded(client: Client, coordinator: ScriptedCoordinator) -> None:
     start = time.monotonic()
     with pytest.raises(DeadlineExceeded) as caught:
         client.generate("slow", timeout=0.3)
     assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert time.monotonic() - start < 3.0
+    assert caught.value.attempts == coordinator.tries["slow"] == 1  # never retried
 
 
 @pytest.mark.parametrize(
@@ -376,11 +444,17 @@ def test_deadline_exceeded(client: Client) -> None:
     ],
 )
 def test_status_codes_map_to_typed_errors(
-    client: Client, prompt: str, model: str | None, error: type[LayerlineError], code: grpc.StatusCode
+    client: Client,
+    coordinator: ScriptedCoordinator,
+    prompt: str,
+    model: str | None,
+    error: type[LayerlineError],
+    code: grpc.StatusCode,
 ) -> None:
     with pytest.raises(LayerlineError) as caught:
         client.generate(prompt, model=model)
     assert type(caught.value) is error and caught.value.code == code
+    assert caught.value.attempts == coordinator.tries[prompt] == 1  # none of these is retried
 
 
 def test_a_stream_without_a_final_message_is_an_error(client: Client) -> None:
@@ -399,8 +473,14 @@ def test_unreachable_server_is_unavailable() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with Client(f"127.0.0.1:{port}") as c, pytest.raises(Unavailable):
-        c.generate("Once upon a time", timeout=5.0)
+    with Client(f"127.0.0.1:{port}", retries=2) as c:
+        with pytest.raises(Unavailable) as generating:
+            c.generate("Once upon a time", timeout=5.0)
+        with pytest.raises(Unavailable) as listing:
+            c.models(timeout=5.0)
+        with pytest.raises(Unavailable) as checking:
+            c.health(timeout=5.0)
+    assert (generating.value.attempts, listing.value.attempts, checking.value.attempts) == (3, 3, 1)
 
 
 def test_a_server_does_not_share_a_port_another_grpc_server_holds(server: tuple[str, ScriptedCoordinator]) -> None:
@@ -490,6 +570,8 @@ def test_health_messages_match_the_standard_encoding() -> None:
         ({"stop": 5}, "stop must be a str or a list of str, got int"),
         ({"logprobs": -1}, "logprobs must be >= 0, got -1"),
         ({"timeout": 0}, "timeout must be > 0, got 0"),
+        ({"retries": -1}, "retries must be >= 0, got -1"),
+        ({"retries": 1.0}, "retries must be an int, got 1.0"),
         ({"model": 3}, "model must be a str or None, got int"),
     ],
 )
@@ -504,7 +586,7 @@ def test_bad_arguments_raise_before_anything_is_sent(
 
 OPTIONS_HINT = (
     "the options are max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed, stop, logprobs, "
-    "model, timeout"
+    "model, timeout, retries"
 )
 
 
@@ -588,7 +670,7 @@ def test_async_errors_are_typed(server: tuple[str, ScriptedCoordinator], coordin
                 await anext(chunks)
             assert unavailable.value.details == UNAVAILABLE_DETAILS
             with pytest.raises(ResourceExhausted) as busy:
-                await c.generate("busy")
+                await c.generate("busy", retries=0)
             assert busy.value.retry_after == 1.5 and busy.value.details == BUSY_DETAILS
             with pytest.raises(DeadlineExceeded):
                 await c.generate("slow", timeout=0.3)
@@ -607,6 +689,27 @@ def test_async_errors_are_typed(server: tuple[str, ScriptedCoordinator], coordin
 
     run(main())
     assert coordinator.cancelled.wait(5.0)
+    assert coordinator.tries["fail midway"] == 1
+
+
+def test_async_retries_mirror_the_sync_ones(
+    server: tuple[str, ScriptedCoordinator], coordinator: ScriptedCoordinator
+) -> None:
+    async def main() -> None:
+        async with AsyncClient(server[0], retries=1) as c:
+            assert await c.generate("unavailable once") == STORY_COMPLETION
+            with pytest.raises(ResourceExhausted) as busy:
+                await c.generate("busy twice")
+            assert busy.value.attempts == 2
+            assert [chunk async for chunk in c.chat_stream([{"role": "user", "content": "busy twice"}])] == STORY_CHUNKS
+            with pytest.raises(Unavailable) as down:
+                await c.generate("down", retries=3)
+            assert down.value.attempts == 4
+            with pytest.raises(ValueError, match="retries must be >= 0, got -2"):
+                AsyncClient(server[0], retries=-2)
+
+    run(main())
+    assert coordinator.tries == Counter({"unavailable once": 2, "busy twice": 3, "down": 4})
 
 
 @pytest.mark.cluster

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from layerline.client import Client, LayerlineError
+from layerline.client.retry import DEFAULT_RETRIES
 from layerline.coordinator.settings import CoordinatorSettings
 from layerline.launcher import ClusterPlan, LocalCluster
 from layerline.shared.settings import DTYPES
@@ -174,8 +175,13 @@ def _client(args: argparse.Namespace) -> Client:
 
 def _stream_answer(client: Client, args: argparse.Namespace, prompt: str, *, chat: bool = False) -> int:
     """Stream the answer to `prompt` (a chat message when `chat`) to stdout; usage to stderr at the end."""
-    params = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed}
-    with client, reported_as_errors(LayerlineError):
+    params = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "seed": args.seed,
+        "retries": args.retries,
+    }
+    with client, reported_as_errors(LayerlineError, ValueError):  # ValueError: a flag the SDK refuses
         if chat:
             chunks = client.chat_stream([{"role": "user", "content": prompt}], **params)
         else:
@@ -192,10 +198,18 @@ def _stream_answer(client: Client, args: argparse.Namespace, prompt: str, *, cha
     return 0
 
 
-def _sampling_flags(p: argparse.ArgumentParser) -> None:
+def _request_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128, metavar="N", help="tokens to generate (default: 128)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 is greedy (default: 0)")
     p.add_argument("--seed", type=int, metavar="S", help="makes sampling reproducible")
+    p.add_argument(
+        "--retries",
+        type=int,
+        default=DEFAULT_RETRIES,
+        metavar="N",
+        help="times a request is sent again when the coordinator is unavailable or full before the first "
+        f"token; never after it (default: {DEFAULT_RETRIES})",
+    )
 
 
 def _run_run(args: argparse.Namespace) -> int:
@@ -212,7 +226,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 def _run_chat(args: argparse.Namespace) -> int:
     history: list[dict[str, str]] = []
-    with _client(args) as client, reported_as_errors(LayerlineError):
+    with _client(args) as client, reported_as_errors(LayerlineError, ValueError):
         while True:
             try:
                 line = input("you> ")
@@ -224,7 +238,7 @@ def _run_chat(args: argparse.Namespace) -> int:
             history.append({"role": "user", "content": line})
             reply = ""
             for chunk in client.chat_stream(
-                history, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+                history, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed, retries=args.retries
             ):
                 print(chunk.text, end="", flush=True)
                 reply += chunk.text
@@ -282,18 +296,18 @@ def add_cluster_commands(commands: Subcommands) -> None:
         formatter_class=HelpFormatter,
     )
     _cluster_flags(run)
-    _sampling_flags(run)
+    _request_flags(run)
     run.add_argument("--chat", action="store_true", help="send PROMPT as a chat message (chat template)")
     run.add_argument("prompt", metavar="PROMPT")
     run.set_defaults(handler=_run_run)
     gen = commands.add_parser("generate", help="stream a completion from a running cluster")
     add_client_flags(gen, default_target=DEFAULT_TARGET)
-    _sampling_flags(gen)
+    _request_flags(gen)
     gen.add_argument("prompt", metavar="PROMPT")
     gen.set_defaults(handler=_run_generate)
     chat = commands.add_parser("chat", help="chat with a running cluster (Ctrl-D ends)")
     add_client_flags(chat, default_target=DEFAULT_TARGET)
-    _sampling_flags(chat)
+    _request_flags(chat)
     chat.set_defaults(handler=_run_chat)
     status = commands.add_parser("status", help="show the workers and chains of a running cluster")
     add_client_flags(status, default_target=DEFAULT_TARGET)
