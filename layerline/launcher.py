@@ -1,10 +1,11 @@
 """`layerline up`: a whole cluster on this machine, each worker and the coordinator its own process.
 
 Owns splitting the layers evenly into stages, dividing the CPU cores between co-located
-workers, starting the coordinator and every stage worker as OS processes (the same telemetry
-flags for all, a metrics port each), waiting until the coordinator reports every chain
-complete, and stopping every process it started (SIGTERM, then SIGKILL after a grace period)
-however it is left. Imports neither torch nor the model code.
+workers, the command line of the coordinator and of every stage worker (the same telemetry
+flags for all, a metrics port each; ports fixed at the first start, so that a restart serves
+where its predecessor did), waiting until the coordinator reports every chain complete, and
+keeping the processes running until a signal. Starting, restarting and stopping them is the
+supervisor's (`layerline.supervisor`). Imports neither torch nor the model code.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from layerline.shared.certs import CertFiles, write_cluster_certs
 from layerline.shared.model_config import ModelConfig
 from layerline.shared.settings import format_size
 from layerline.stage_worker.settings import StageSettings
+from layerline.supervisor import Command, RestartPolicy, Supervisor
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class ClusterPlan:
     tls: bool = False  # TLS everywhere: a throwaway CA and certificates in the run directory's tls/
     api_tokens: str | None = None  # the coordinator's --api-tokens file
     admin_tokens: str | None = None  # its --admin-tokens file; with tokens but none, the run directory gets one
+    restarts: RestartPolicy = RestartPolicy()  # how `supervise` restarts a process that exits, and when it gives up
 
 
 def split_layers(num_layers: int, stages: int, *, head_weight: float = 0.0) -> list[tuple[int, int]]:
@@ -100,7 +103,7 @@ class LocalCluster:
                 f"--metrics-port {plan.metrics_port}: the {workers} stage workers need the ports "
                 f"up to {plan.metrics_port + workers}, past 65535"
             )
-        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.supervisor = Supervisor(plan.restarts)
         self.metrics_ports: dict[str, int] = {}  # process name -> its Prometheus port, when metrics are on
         self.health_ports: dict[str, int] = {}  # process name -> its plaintext health port, with health_ports
         self.log_dir = plan.log_dir or Path(os.environ.get("TMPDIR", "/tmp")) / f"layerline-{os.getpid()}"
@@ -124,16 +127,20 @@ class LocalCluster:
         """A client of this cluster's coordinator, with its CA and an admin token as needed."""
         return Client(self.address, token=self.token, ca_cert=self.ca_cert)
 
+    @property
+    def procs(self) -> list[tuple[str, subprocess.Popen[bytes]]]:
+        """Each process's name and its current OS process (after a restart, the new one)."""
+        return list(self.supervisor.processes.items())
+
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
-        log = (self.log_dir / f"{name}.log").open("wb")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "layerline", *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
-            start_new_session=True,
+        self.supervisor.start(
+            Command(
+                name,
+                (sys.executable, "-m", "layerline", *args),
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+                log=self.log_dir / f"{name}.log",
+            )
         )
-        self.procs.append((name, proc))
 
     def start(self) -> None:
         p = self.plan
@@ -233,19 +240,15 @@ class LocalCluster:
         raise TimeoutError(f"the cluster was not ready after {timeout:.0f}s; logs in {self.log_dir}")
 
     def stop(self, grace: float = 15.0) -> None:
-        for _, proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for _, proc in self.procs:
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        """Stop every process (the current one of each name): SIGTERM, then SIGKILL after `grace` s."""
+        self.supervisor.stop(grace)
 
-    def wait(self) -> None:
-        """Block until a signal arrives or a process dies."""
+    def supervise(self, *, every: float = 0.2) -> None:
+        """Keep every process running until SIGTERM or SIGINT arrives.
+
+        A process that exits is started again from the same command line (same layers, same
+        ports) after a backoff; the plan's `restarts` says how. Raises `CrashLoop` for a process
+        that exits too often; the caller stops the others."""
         stop = {"now": False}
 
         def on_signal(signum: int, frame: object) -> None:
@@ -254,8 +257,5 @@ class LocalCluster:
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
         while not stop["now"]:
-            if any(proc.poll() is not None for _, proc in self.procs):
-                dead = [n for n, p in self.procs if p.poll() is not None]
-                print(f"layerline up: {', '.join(dead)} exited; stopping the cluster", file=sys.stderr)
-                return
-            time.sleep(0.2)
+            self.supervisor.poll()
+            time.sleep(every)

@@ -181,8 +181,6 @@ def test_sigterm_drains_a_stage_worker_under_load(real_model_dir, tmp_path):
 
 def test_stage_workers_outlive_a_coordinator_crash_and_free_what_it_left(real_model_dir, tmp_path):
     import signal
-    import subprocess
-    import sys
 
     from layerline.client import Client
 
@@ -197,25 +195,7 @@ def test_stage_workers_outlive_a_coordinator_crash_and_free_what_it_left(real_mo
         coordinator = dict(cluster.procs)["coordinator"]
         coordinator.send_signal(signal.SIGKILL)
         assert coordinator.wait(30) == -signal.SIGKILL
-        cluster.procs.remove(("coordinator", coordinator))
-        log = (tmp_path / "coordinator-2.log").open("wb")
-        again = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "layerline",
-                "coordinator",
-                "--model",
-                str(real_model_dir),
-                "--port",
-                str(cluster.plan.port),
-                "--cluster-port",  # where the workers register again
-                cluster.cluster_address.rpartition(":")[2],
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        cluster.procs.append(("coordinator-2", again))
+        cluster.supervisor.restart("coordinator")  # its command line again: its ports, where the workers register
         status = cluster.wait_ready(timeout=60)  # the workers register again by themselves
         assert len(status.chains) == 1
         with Client(cluster.address) as client:

@@ -10,6 +10,7 @@ from layerline.client.retry import DEFAULT_RETRIES
 from layerline.coordinator.settings import CoordinatorSettings
 from layerline.launcher import ClusterPlan, LocalCluster
 from layerline.shared.settings import DTYPES
+from layerline.supervisor import CrashLoop, RestartPolicy
 
 from .support import (
     CA_VARIABLE,
@@ -97,7 +98,7 @@ def _cluster_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _start_cluster(args: argparse.Namespace) -> LocalCluster:
+def _start_cluster(args: argparse.Namespace, *, restarts: RestartPolicy = ClusterPlan.restarts) -> LocalCluster:
     from layerline.model_store import ModelStoreError, resolve_model
 
     telemetry_settings(args, host="127.0.0.1")  # a bad flag fails here, before any process starts
@@ -118,6 +119,7 @@ def _start_cluster(args: argparse.Namespace) -> LocalCluster:
             tls=args.tls,
             api_tokens=args.api_tokens,
             admin_tokens=args.admin_tokens,
+            restarts=restarts,
         )
         cluster = LocalCluster(plan, checkpoint)  # checks the split before anything starts
     print(
@@ -156,10 +158,13 @@ def _start_cluster(args: argparse.Namespace) -> LocalCluster:
 
 
 def _run_up(args: argparse.Namespace) -> int:
-    cluster = _start_cluster(args)
+    with reported_as_errors(ValueError):
+        restarts = RestartPolicy(max_restarts=args.max_restarts)
+    cluster = _start_cluster(args, restarts=restarts)
     print(f"layerline ready on {cluster.address} (Ctrl-C stops every process)", flush=True)
     try:
-        cluster.wait()
+        with reported_as_errors(CrashLoop):
+            cluster.supervise()
     finally:
         print("stopping ...", file=sys.stderr, flush=True)
         cluster.stop()
@@ -278,16 +283,33 @@ def _run_status(args: argparse.Namespace) -> int:
 
 def add_cluster_commands(commands: Subcommands) -> None:
     """`layerline up | run | generate | chat | status`."""
+    restarts = ClusterPlan.restarts
     up = commands.add_parser(
         "up",
         help="start a whole cluster on this machine",
         description="Start a coordinator and stages x replicas stage workers, each its own OS "
         "process, layers split into ranges of about equal work (the last stage, which also "
-        "runs the LM head, takes fewer); print the address when every chain is ready; "
-        "stop every process on Ctrl-C or SIGTERM.",
+        "runs the LM head, takes fewer); print the address when every chain is ready. Then "
+        "supervise: a process that exits is started again with the same layers and ports, after "
+        f"{restarts.first_delay:g}s, doubling with each quick exit up to {restarts.max_delay:g}s "
+        f"(back to {restarts.first_delay:g}s once it ran {restarts.stable_after:g}s), each exit and "
+        "restart said on stderr and in the process's log. Meanwhile the coordinator moves the "
+        "sequences to the other chains; a restarted stage worker serves again once its readiness "
+        "probe passes, and a restarted coordinator gets every stage worker back as they register "
+        "again. Stop every process on Ctrl-C or SIGTERM, or when one exits more often than "
+        "--max-restarts allows (then exit non-zero, naming it, its last exit status and the end "
+        "of its log).",
         formatter_class=HelpFormatter,
     )
     _cluster_flags(up)
+    up.add_argument(
+        "--max-restarts",
+        type=int,
+        default=restarts.max_restarts,
+        metavar="N",
+        help=f"restart a process at most N times within {restarts.window:g}s; one more exit stops the "
+        f"cluster (0: the first exit stops it) (default: {restarts.max_restarts})",
+    )
     up.set_defaults(handler=_run_up)
     run = commands.add_parser(
         "run",

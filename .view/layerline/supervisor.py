@@ -1,0 +1,1 @@
+../../layerline/supervisor.py
