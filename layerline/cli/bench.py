@@ -1,9 +1,11 @@
-"""`layerline bench` and `layerline bench links`: speed as ratios in one run, and what a link does."""
+"""`layerline bench`, `bench links` and `bench chaos`: speed as ratios in one run, what a link does,
+and whether a cluster under `up` keeps every request while its workers die."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from .cluster import add_model_flags
@@ -37,6 +39,49 @@ def _run_bench_links(args: argparse.Namespace) -> int:
     print(table(points), end="")
     print(f"[links] wrote {args.out / 'links.md'} and {args.out / 'links.png'}", file=sys.stderr)
     return 0
+
+
+def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text} must be above 0")
+        return value
+
+    return parse
+
+
+def _run_bench_chaos(args: argparse.Namespace) -> int:
+    import json
+    import os
+    import tempfile
+
+    from layerline.bench.chaos import ChaosPlan, run_chaos
+    from layerline.model_store import ModelStoreError, resolve_model
+
+    run_dir = args.out or Path(tempfile.mkdtemp(prefix="layerline-chaos-"))
+    with reported_as_errors(ModelStoreError, RuntimeError, TimeoutError):
+        report = run_chaos(
+            ChaosPlan(
+                model=str(resolve_model(args.model)),
+                port=args.port,
+                run_dir=run_dir,
+                duration=args.duration,
+                streams=args.streams,
+                new_tokens=args.new_tokens,
+                kills=args.kills,
+                stop_seconds=args.stop_seconds,
+                seed=args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little"),
+                log=lambda m: print(f"[chaos] {m}", file=sys.stderr, flush=True),
+            )
+        )
+    print("\n".join(report.lines()))
+    (run_dir / "chaos.json").write_text(json.dumps(report.as_dict(), indent=2) + "\n")
+    print(f"[chaos] logs and chaos.json in {run_dir}", file=sys.stderr)
+    return 0 if report.passed() else 1
 
 
 def _run_bench(args: argparse.Namespace) -> int:
@@ -132,3 +177,43 @@ def add_bench_commands(commands: Subcommands) -> None:
         help="where the table and the plot go (default: bench-links)",
     )
     links.set_defaults(handler=_run_bench_links)
+    _add_chaos(studies)
+
+
+def _add_chaos(studies: Subcommands) -> None:
+    chaos = studies.add_parser(
+        "chaos",
+        help="a 2x2 cluster under `up` keeps every request while its workers are killed and stopped",
+        description="Start `layerline up --replicas 2 --stages 2`, run a fixed set of greedy and seeded "
+        "requests once without faults for their reference tokens, then keep --streams of them running "
+        "for --duration seconds while a driver SIGKILLs a random stage worker --kills times and "
+        "SIGSTOPs one for --stop-seconds (one fault at a time, each once the cluster is whole again). "
+        "Prints the requests completed, the tokens lost (must be 0: a token that differs from the "
+        "reference, is missing or is extra), the longest gap a client saw, and the workers SERVING at "
+        "the end; exits 1 unless every request came back exact and all 4 workers serve again.",
+        formatter_class=HelpFormatter,
+    )
+    add_model_flags(chaos)
+    chaos.add_argument("--port", type=int, default=7370, metavar="P", help="the coordinator's port (default: 7370)")
+    chaos.add_argument(
+        "--duration", type=_positive(float), default=60.0, metavar="S", help="seconds under faults (default: 60)"
+    )
+    chaos.add_argument(
+        "--streams", type=_positive(int), default=24, metavar="N", help="requests in flight at once (default: 24)"
+    )
+    chaos.add_argument(
+        "--new-tokens", type=_positive(int), default=32, metavar="N", help="tokens per request (default: 32)"
+    )
+    chaos.add_argument("--kills", type=int, default=3, metavar="N", help="SIGKILLs of a random stage (default: 3)")
+    chaos.add_argument(
+        "--stop-seconds",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="one stage SIGSTOPped this long (default: 10; 0: none)",
+    )
+    chaos.add_argument("--seed", type=int, default=None, metavar="N", help="the driver's choices (default: random)")
+    chaos.add_argument(
+        "--out", type=Path, default=None, metavar="DIR", help="up's logs and chaos.json (default: a temp folder)"
+    )
+    chaos.set_defaults(handler=_run_bench_chaos)
