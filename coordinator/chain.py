@@ -82,6 +82,7 @@ class ChainClient:
         self._sent: dict[int, tuple[float, int]] = {}  # unanswered step id -> (sent at, its tokens)
         self._last_answer = 0.0  # when the last step was answered (monotonic)
         self._watchdog: asyncio.Task[None] | None = None
+        self.stalled_since: float | None = None  # when it stopped answering, once it counts as hung
 
     async def __call__(self, step: PlannedStep) -> list[Outcome]:
         header = stage_pb2.StepHeader(
@@ -147,8 +148,8 @@ class ChainClient:
         finally:
             replies.discard(header.step_id)  # answered, either way
             sent, _ = self._sent.pop(header.step_id, (0.0, 0))
-        if result.error.code == Code.DEADLINE_EXCEEDED and not result.failed_address:
-            raise StepFailed(Code.DEADLINE_EXCEEDED, result.error.message)  # the chain stalled: no hop named
+        if result.error.code == Code.DEADLINE_EXCEEDED and not result.failed_address:  # stalled: no hop named
+            raise StepFailed(Code.DEADLINE_EXCEEDED, result.error.message, since=self.stalled_since)
         if result.error.code:
             raise StepFailed(
                 result.error.code, result.error.message, failed_address=result.failed_address or self.addresses[0]
@@ -244,6 +245,7 @@ class ChainClient:
                 f"{waited:.1f}s (its bound: {allowed:.1f}s, from its recent step times)"
             )
             log.warning("%s; failing its %d unanswered step(s)", reason, len(self._pending))
+            self.stalled_since = max(sent, self._last_answer)
             stalled = stage_pb2.StepResult(error=common_pb2.Status(code=Code.DEADLINE_EXCEEDED, message=reason))
             for future in list(self._pending.values()):
                 _settle(future, stalled)

@@ -157,7 +157,7 @@ class Cluster:
         seqs = list(chain.scheduler.sequences.values())
         chain.scheduler.sequences.clear()
         held = list(chain.scheduler.held)  # every KV the chain holds: live, cached, waiting to be freed
-        self._move(seqs, reason)
+        self._move(seqs, reason, since=chain.client.stalled_since)
         asyncio.get_running_loop().create_task(self._close(chain, release=held))
 
     async def _close(self, chain: RunningChain, *, release: list[str] | None = None) -> None:
@@ -178,16 +178,17 @@ class Cluster:
         if err.failed_address:
             self.registry.mark(err.failed_address, "UNREACHABLE")
         elif err.code == Code.DEADLINE_EXCEEDED:  # the chain stalled: each of its workers passes a probe again first
-            self.stalls += 1
+            self.stalls += chain in self.chains  # once per chain, not per step it failed
             for address in chain.addresses:
                 self.registry.suspect(address)
         held = [s.kv_id for s in seqs]  # before the move names their KV anew
-        self._move(seqs, str(err))
+        self._move(seqs, str(err), since=err.since)
         asyncio.get_running_loop().create_task(chain.client.release(held))
         self.refresh()  # drops the broken chain and moves the rest of its sequences
 
-    def _move(self, seqs: list[Sequence], reason: str) -> None:
-        """Re-place sequences whose KV was lost, after a backoff; fail those out of moves."""
+    def _move(self, seqs: list[Sequence], reason: str, *, since: float | None = None) -> None:
+        """Re-place sequences whose KV was lost, after a backoff; fail those out of moves. A failover's
+        gap runs from `since` (when a stalled chain stopped answering) or else from now."""
         loop = asyncio.get_running_loop()
         for seq in seqs:
             self._where.pop(seq.sequence_id, None)
@@ -196,7 +197,7 @@ class Cluster:
             seq.replace_kv()
             seq.moves += 1
             if seq.failed_at is None:
-                seq.failed_at = time.monotonic()
+                seq.failed_at = since if since is not None else time.monotonic()
             if seq.moves > self.failover.max_moves:
                 seq.on_error(
                     Code.UNAVAILABLE, f"gave up after {self.failover.max_moves} failovers; last cause: {reason}"

@@ -102,7 +102,8 @@ class StepFailed(Exception):
     """A whole step failed (a hop is unreachable or the chain stalled); its sequences' KV on the
     chain is lost. `failed_address` names the hop when it is known."""
 
-    def __init__(self, code: int, message: str, *, failed_address: str = "") -> None:
+    def __init__(self, code: int, message: str, *, failed_address: str = "", since: float | None = None) -> None:
         super().__init__(message)
         self.code = Code.of(code)
         self.failed_address = failed_address
+        self.since = since  # when the chain stopped answering (monotonic), for a stall; None: now

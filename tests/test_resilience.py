@@ -6,6 +6,7 @@ instead of failing requests. Every stream must equal a fault-free run token for 
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import subprocess
 import sys
@@ -28,10 +29,12 @@ HEARTBEAT_EXPIRY = 5.0  # the coordinator's default: a stall caught sooner was c
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    """A tiny random SmolLM2-shaped model of 4 layers, with a byte-level tokenizer."""
+    """A tiny random SmolLM2-shaped model of 4 layers and 1024 positions, with a byte-level tokenizer."""
     path = tmp_path_factory.mktemp("tiny-resilience")
     make_tiny_checkpoint("smollm2", path, num_layers=4, vocab_size=259)
     assert write_byte_tokenizer(path) == 259
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
     return path
 
 
@@ -168,10 +171,10 @@ def _wait_for_chains(address: str, n: int, timeout: float = 90.0):  # type: igno
 
 @pytest.mark.timeout(300)
 def test_a_chain_short_of_kv_preempts_and_recomputes_and_every_request_completes_identically(checkpoint, tmp_path):
-    prompts = [f"{i:02d} " + "a long document about foxes and dogs, " * 4 + f"question {i}?" for i in range(32)]
-    # 120 KiB of KV on each stage: 480 positions of this model, 30 blocks of 16; a request takes 11
-    # blocks to start (its 167 prompt tokens and the next) and 16 once it has its 80 tokens
-    cluster = _tiny_cluster(checkpoint, tmp_path, kv_memory="120K", coordinator_args=("--no-prefix-sharing",))
+    prompts = [f"{i:02d} " + "a long document about foxes and dogs, " * 8 + f"question {i}?" for i in range(32)]
+    # 184 KiB of KV on each stage: 736 positions of this model, 46 blocks of 16; a request takes 21
+    # blocks to start (its ~320 prompt tokens and the next) and 25 once it has its 80 tokens
+    cluster = _tiny_cluster(checkpoint, tmp_path, kv_memory="184K", coordinator_args=("--no-prefix-sharing",))
     try:
         with cluster.client() as client:
             workers = client.cluster().workers
@@ -181,7 +184,8 @@ def test_a_chain_short_of_kv_preempts_and_recomputes_and_every_request_completes
             after = client.cluster().preemptions
     finally:
         cluster.stop()
-    assert [w.load.kv_blocks_total for w in workers] == [30, 30]
+    assert [w.load.kv_blocks_total for w in workers] == [46, 46]
+    assert all(len(p) + 1 >= 300 for p in prompts)
     print("tokens per answer:", sorted(len(t) for t in together))
     assert together == alone
     assert before == 0 and after > 0
