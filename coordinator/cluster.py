@@ -37,7 +37,7 @@ FAILOVER_CODES = (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED)  # a hop is gone or 
 @dataclass(frozen=True)
 class FailoverPolicy:
     max_moves: int = 5  # moves of one sequence to another chain before it fails
-    backoff: float = 0.1  # seconds before the first re-placement; doubles with each move
+    backoff: float = 0.1  # seconds before the second re-placement (the first goes at once); doubles after
     max_backoff: float = 2.0  # the longest wait between moves
     wait_for_chain: float = 10.0  # how long a moved sequence may wait for any complete chain
 
@@ -204,7 +204,9 @@ class Cluster:
                 )
                 continue
             self.failovers += 1
-            delay = min(self.failover.backoff * 2 ** (seq.moves - 1), self.failover.max_backoff)
+            # The broken chain is out of routing already: the first move goes at once, later ones back off.
+            backoff = self.failover.backoff * 2 ** (seq.moves - 2)
+            delay = 0.0 if seq.moves == 1 else min(backoff, self.failover.max_backoff)
             deadline = time.monotonic() + self.failover.wait_for_chain
             loop.call_later(delay, self._replace, seq, reason, deadline)
 
@@ -214,10 +216,10 @@ class Cluster:
     def _shared_prefix(self, tokens: int) -> None:
         self.shared_prefix_tokens += tokens
 
-    def _failover_gap(self, seconds: float) -> None:
+    def _failover_gap(self, seq: Sequence, seconds: float) -> None:
         self.last_failover_gap = seconds
         self.max_failover_gap = max(self.max_failover_gap, seconds)
-        log.info("failover gap: %.3fs from the failure to the next token", seconds)
+        log.info("failover gap of %s: %.3fs from the failure to its next token", seq.sequence_id, seconds)
 
     def _replace(self, seq: Sequence, reason: str, deadline: float) -> None:
         if seq.done or seq.sequence_id in self._where:

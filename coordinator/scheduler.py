@@ -56,7 +56,7 @@ class ChainScheduler:
         lender_ttl: float | None = None,
         on_step_failed: Callable[[list[Sequence], StepFailed], None],
         release: Callable[[list[str]], Coroutine[Any, Any, None]],
-        on_failover_gap: Callable[[float], None] = lambda seconds: None,
+        on_failover_gap: Callable[[Sequence, float], None] = lambda seq, seconds: None,
         on_shared_prefix: Callable[[int], None] = lambda tokens: None,
         on_preempted: Callable[[Sequence], None] = lambda seq: None,
     ) -> None:
@@ -246,7 +246,7 @@ class ChainScheduler:
                 return
             seq.generated.append(outcome.token_id)
             if seq.failed_at is not None:  # the first token after a failover
-                self.on_failover_gap(time.monotonic() - seq.failed_at)
+                self.on_failover_gap(seq, time.monotonic() - seq.failed_at)
                 seq.failed_at = None
             seq.on_token(outcome.token_id, outcome.logprob, list(outcome.top))
 

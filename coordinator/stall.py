@@ -21,7 +21,7 @@ SMALL_STEP_TOKENS = 64  # a step of at most this many tokens is judged as a deco
 @dataclass(frozen=True)
 class StallPolicy:
     floor: float = 1.0  # seconds: no step is called hung sooner
-    multiple: float = 4.0  # times the recent p99 a step may take
+    multiple: float = 3.0  # times the recent p99 a step may take
     initial: float = 30.0  # seconds, until `min_samples` steps of the size were seen
     min_samples: int = 16
     window: int = 512  # recent steps remembered, of each kind
