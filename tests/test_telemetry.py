@@ -383,6 +383,8 @@ def test_prometheus_histograms_count_the_requests_that_were_made(traced):
         c.usage.completion_tokens for c in done
     )
     assert value(coordinator, "layerline_failovers", "layerline_failovers_total") == 0
+    assert value(coordinator, "layerline_num_preemptions", "layerline_num_preemptions_total") == 0
+    assert value(coordinator, "layerline_chain_stalls", "layerline_chain_stalls_total") == 0
     assert value(coordinator, "layerline_num_requests_waiting") == 0
     assert "layerline_num_requests_running" in coordinator
 
