@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import subprocess
 import threading
 import time
@@ -153,17 +152,8 @@ class Coordinator:
         self.process.wait()
 
     def start(self) -> None:
-        """The same command again, its output after the last one's; `cluster.stop()` stops it."""
-        old = self.process
-        with (self.cluster.log_dir / "coordinator.log").open("ab") as log:
-            new = subprocess.Popen(
-                old.args,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                start_new_session=True,
-            )
-        self.cluster.procs = [(name, new if proc is old else proc) for name, proc in self.cluster.procs]
+        """The same command again, on the same ports, its output after the last one's."""
+        self.cluster.supervisor.restart("coordinator")
 
 
 @pytest.fixture(scope="module")

@@ -273,6 +273,14 @@ def test_up_gives_up_on_a_crash_loop_and_says_which_process_and_why(tmp_path: Pa
 
 
 @pytest.mark.timeout(300)
+def test_sigterm_while_up_starts_stops_every_process_it_started(tmp_path: Path, tiny) -> None:
+    up = Up(tmp_path, tiny[0], "--stages", "2", "--replicas", "2", "--kv-memory", "8M")
+    up.wait_for(lambda: len(up.children()) == 5, 60, "5 processes started")
+    assert "layerline ready on" not in up.out.read_text()
+    code = up.stop()  # asserts that nothing it ran is left
+    assert code != 0 and "Traceback" not in up.said(), up.said()
+
+
 def test_sigterm_during_a_restart_delay_stops_everything_at_once(tmp_path: Path, tiny) -> None:
     up, name = _crash_loop(tmp_path, tiny)  # --max-restarts 5: a fourth start is due in 2 s
     start = time.monotonic()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from layerline.client import Client, LayerlineError
@@ -128,8 +129,9 @@ def _start_cluster(args: argparse.Namespace, *, restarts: RestartPolicy = Cluste
         file=sys.stderr,
         flush=True,
     )
-    cluster.start()
+    signal.signal(signal.SIGTERM, _interrupted)  # while starting, SIGTERM stops what started, as Ctrl-C does
     try:
+        cluster.start()
         with reported_as_errors(RuntimeError, TimeoutError):
             status = cluster.wait_ready()
     except BaseException:
@@ -155,6 +157,10 @@ def _start_cluster(args: argparse.Namespace, *, restarts: RestartPolicy = Cluste
             file=sys.stderr,
         )
     return cluster
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _run_up(args: argparse.Namespace) -> int:
