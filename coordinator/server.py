@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2
+from prometheus_client import generate_latest
 
 from layerline.model_store import resolve_model
 from layerline.protos.v1 import coordinator_pb2
@@ -22,14 +23,17 @@ from layerline.shared.routes import new_key
 from layerline.shared.rpc import listen_on, server_options
 from layerline.shared.services import add_servicer, health_only_server
 from layerline.shared.telemetry import Telemetry
-from layerline.shared.tls import member_files, server_credentials
+from layerline.shared.tls import TLSFiles, member_files, server_credentials
 
 from .auth import TokenInterceptor, Tokens
 from .chain import MemberLinks
 from .cluster import Cluster
+from .http_api import HttpApi, HttpServer
 from .members import RegistryServicer
 from .registry import Registry
-from .servicer import Admission, CoordinatorServicer
+from .requests import Admission
+from .servicer import CoordinatorServicer
+from .serving import Serving
 from .settings import CoordinatorSettings
 from .telemetry import CoordinatorTelemetry
 from .text import TextModel
@@ -65,27 +69,8 @@ async def serve(settings: CoordinatorSettings, *, stop: asyncio.Event | None = N
         maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
     )
     members = grpc.aio.server(options=server_options(), maximum_concurrent_rpcs=settings.max_concurrent_rpcs)
-    admission = Admission(
-        max_active=settings.max_active,
-        max_queued=settings.max_queued,
-        rate_limit=settings.rate_limit,
-        default_max_tokens=settings.default_max_tokens,
-        max_context=config.max_position_embeddings,
-        max_prompt_bytes=settings.max_prompt_bytes,
-        max_prompt_tokens=settings.max_prompt_tokens,
-        max_chat_messages=settings.max_chat_messages,
-    )
-    observed = CoordinatorTelemetry(telemetry, model_name=Path(checkpoint).name)
-    servicer = CoordinatorServicer(
-        cluster, text, admission=admission, model_name=Path(checkpoint).name, telemetry=observed
-    )
-    observed.watch(
-        running=lambda: servicer.active,
-        waiting=lambda: servicer.queued,
-        failovers=lambda: cluster.failovers,
-        preemptions=lambda: cluster.preemptions,
-        stalls=lambda: cluster.stalls,
-    )
+    serving = _serving(settings, cluster, text, telemetry, model_name=Path(checkpoint).name, context=config)
+    servicer = CoordinatorServicer(serving)
     add_servicer(server, servicer, coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"])
     registry_servicer = RegistryServicer(
         cluster, heartbeat_interval=settings.heartbeat_interval, route_key=links.route_key, tls=tls is not None
@@ -123,6 +108,12 @@ async def serve(settings: CoordinatorSettings, *, stop: asyncio.Event | None = N
     )
     if probes is not None:
         log.info("health alone, in plaintext, on %s:%d", settings.host, settings.health_port)
+    http = None
+    if settings.http_port is not None:
+        http = _http_api(serving, settings, tokens=tokens, tls=tls, telemetry=telemetry, body=client_message_bytes)
+        await http.start()
+        scheme = "https" if http.tls else "http"
+        log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", scheme, settings.host, http.port)
     log.info("telemetry: %s", telemetry.describe())
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -133,18 +124,81 @@ async def serve(settings: CoordinatorSettings, *, stop: asyncio.Event | None = N
         asyncio.create_task(_probe(cluster, every=settings.probe_interval)),
     ]
     await stop.wait()
-    log.info("stopping: no new requests; waiting up to %.0fs for %d in-flight", settings.grace_seconds, servicer.active)
+    log.info("stopping: no new requests; waiting up to %.0fs for %d in-flight", settings.grace_seconds, serving.active)
     await health_servicer.enter_graceful_shutdown()
-    await server.stop(settings.grace_seconds)
-    await members.stop(1.0)
-    if probes is not None:
-        await probes.stop(0)
+    await _stop_servers(http, server, members, probes, grace=settings.grace_seconds)
     for task in maintenance:
         task.cancel()
     await cluster.close()
-    servicer.encoder.close()
+    serving.close()
     telemetry.shutdown()  # exports the spans still buffered
     log.info("stopped")
+
+
+async def _stop_servers(
+    http: HttpServer | None,
+    clients: grpc.aio.Server,
+    members: grpc.aio.Server,
+    probes: grpc.aio.Server | None,
+    *,
+    grace: float,
+) -> None:
+    """Stop taking requests, give those in progress `grace` seconds, then close the members' ports."""
+    await asyncio.gather(clients.stop(grace), *([http.stop()] if http is not None else []))
+    await members.stop(1.0)
+    if probes is not None:
+        await probes.stop(0)
+
+
+def _serving(
+    settings: CoordinatorSettings,
+    cluster: Cluster,
+    text: TextModel,
+    telemetry: Telemetry,
+    *,
+    model_name: str,
+    context: ModelConfig,
+) -> Serving:
+    """The one generation path of every API, under the settings' admission, its gauges watched."""
+    admission = Admission(
+        max_active=settings.max_active,
+        max_queued=settings.max_queued,
+        rate_limit=settings.rate_limit,
+        default_max_tokens=settings.default_max_tokens,
+        max_context=context.max_position_embeddings,
+        max_prompt_bytes=settings.max_prompt_bytes,
+        max_prompt_tokens=settings.max_prompt_tokens,
+        max_chat_messages=settings.max_chat_messages,
+    )
+    observed = CoordinatorTelemetry(telemetry, model_name=model_name)
+    serving = Serving(cluster, text, admission=admission, model_name=model_name, telemetry=observed)
+    observed.watch(
+        running=lambda: serving.active,
+        waiting=lambda: serving.queued,
+        failovers=lambda: cluster.failovers,
+        preemptions=lambda: cluster.preemptions,
+        stalls=lambda: cluster.stalls,
+    )
+    return serving
+
+
+def _http_api(
+    serving: Serving,
+    settings: CoordinatorSettings,
+    *,
+    tokens: Tokens,
+    tls: TLSFiles | None,
+    telemetry: Telemetry,
+    body: int,
+) -> HttpServer:
+    """The OpenAI-compatible HTTP API on --http-port, with the client port's certificate and tokens."""
+    registry = telemetry.metrics_registry
+    metrics = (lambda: generate_latest(registry)) if registry is not None else None
+    api = HttpApi(serving, tokens=tokens, max_body_bytes=body, metrics=metrics)
+    port, grace = settings.http_port or 0, settings.grace_seconds
+    if tls is None:
+        return HttpServer(api, settings.host, port, grace=grace)
+    return HttpServer(api, settings.host, port, grace=grace, certfile=str(tls.cert), keyfile=str(tls.key))
 
 
 async def _maintain(cluster: Cluster) -> None:

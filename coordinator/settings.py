@@ -44,6 +44,7 @@ class CoordinatorSettings:
     admin_tokens: str | None = None  # a file of tokens that may also call ClusterStatus
     max_concurrent_rpcs: int = 1024  # calls served at once on each port; past it gRPC refuses new ones
     health_port: int = 0  # a plaintext port serving only grpc.health.v1 (for probes that speak no TLS); 0: none
+    http_port: int | None = None  # the OpenAI-compatible HTTP API's port; None: off (0 picks a free one)
     telemetry: TelemetrySettings = field(default_factory=TelemetrySettings)  # traces, metrics; off by default
 
     def __post_init__(self) -> None:
@@ -58,6 +59,10 @@ class CoordinatorSettings:
             raise ValueError(f"--rate-limit {self.rate_limit} must be > 0 (requests per second)")
         if self.max_concurrent_rpcs < 1:
             raise ValueError(f"--max-concurrent-rpcs {self.max_concurrent_rpcs} must be at least 1")
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ValueError(f"--http-port {self.http_port} must be in [0, 65535]")
+        if self.http_port and self.http_port in (self.port, self.cluster_port):
+            raise ValueError(f"--http-port {self.http_port} must differ from --port and --cluster-port")
         if self.cluster_port and self.cluster_port == self.port:
             raise ValueError(f"--cluster-port {self.cluster_port} must differ from --port: the Registry has its own")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:

@@ -104,36 +104,24 @@ class CoordinatorTelemetry:
         def reading(read: Callable[[], int]) -> Callable[[CallbackOptions], Iterable[Observation]]:
             return lambda options: [Observation(read())]
 
-        self.meter.create_observable_gauge(
-            "layerline_num_requests_running",
-            [reading(running)],
-            unit="{request}",
-            description="Requests admitted and generating",
+        gauges = (
+            ("layerline_num_requests_running", running, "{request}", "Requests admitted and generating"),
+            ("layerline_num_requests_waiting", waiting, "{request}", "Requests waiting for a generation slot"),
         )
-        self.meter.create_observable_gauge(
-            "layerline_num_requests_waiting",
-            [reading(waiting)],
-            unit="{request}",
-            description="Requests waiting for a generation slot",
+        counters = (
+            ("layerline_failovers", failovers, "{sequence}", "Sequences moved off a failed chain"),
+            (
+                "layerline_num_preemptions",
+                preemptions,
+                "{sequence}",
+                "Sequences whose KV was freed for an older sequence's and recomputed later",
+            ),
+            ("layerline_chain_stalls", stalls, "{chain}", "Chains that stopped answering steps within their bound"),
         )
-        self.meter.create_observable_counter(
-            "layerline_failovers",
-            [reading(failovers)],
-            unit="{sequence}",
-            description="Sequences moved off a failed chain",
-        )
-        self.meter.create_observable_counter(
-            "layerline_num_preemptions",
-            [reading(preemptions)],
-            unit="{sequence}",
-            description="Sequences whose KV was freed for an older sequence's and recomputed later",
-        )
-        self.meter.create_observable_counter(
-            "layerline_chain_stalls",
-            [reading(stalls)],
-            unit="{chain}",
-            description="Chains that stopped answering steps within their stall bound",
-        )
+        for name, read, unit, description in gauges:
+            self.meter.create_observable_gauge(name, [reading(read)], unit=unit, description=description)
+        for name, read, unit, description in counters:
+            self.meter.create_observable_counter(name, [reading(read)], unit=unit, description=description)
 
     def request(
         self,

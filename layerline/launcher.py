@@ -50,6 +50,7 @@ class ClusterPlan:
     metrics_port: int = 0  # the coordinator's --metrics-port; stage workers take the next ones; 0: none
     health_ports: bool = False  # every process also serves plaintext health on a free --health-port
     cluster_port: int | None = None  # the coordinator's --cluster-port (stages register there); None: a free one
+    http_port: int | None = None  # the coordinator's --http-port (the OpenAI-compatible API); None: off
     tls: bool = False  # TLS everywhere: a throwaway CA and certificates in the run directory's tls/
     api_tokens: str | None = None  # the coordinator's --api-tokens file
     admin_tokens: str | None = None  # its --admin-tokens file; with tokens but none, the run directory gets one
@@ -91,6 +92,10 @@ class LocalCluster:
         self.plan = plan
         self.checkpoint = checkpoint
         self.address = f"{plan.host}:{plan.port}"
+        # The OpenAI-compatible API's port (0: a free one) and base URL, with --http-port.
+        self.http_port = None if plan.http_port is None else plan.http_port or _free_port(plan.host)
+        scheme = "https" if plan.tls else "http"
+        self.http_url = f"{scheme}://{plan.host}:{self.http_port}/v1" if self.http_port is not None else None
         config = ModelConfig.from_checkpoint(checkpoint)
         self.ranges = (
             list(plan.layer_ranges)
@@ -162,6 +167,7 @@ class LocalCluster:
                 str(p.port),
                 "--cluster-port",
                 self.cluster_address.rpartition(":")[2],
+                *(["--http-port", str(self.http_port)] if self.http_port is not None else []),
                 *self._tls_args("coordinator"),
                 *self._token_args(),
                 *p.coordinator_args,

@@ -27,6 +27,7 @@ from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 from opentelemetry.trace import Tracer
+from prometheus_client import CollectorRegistry
 
 from .settings import TelemetrySettings, collector_url
 
@@ -56,6 +57,7 @@ class Telemetry:
         self.settings = settings
         self.tracer: Tracer | None = None
         self.meter: Meter | None = None
+        self.metrics_registry: CollectorRegistry | None = None  # what the scrape endpoint serves, when on
         self._tracer_provider: TracerProvider | None = None
         self._meter_provider: MeterProvider | None = None
         self._metrics_server: WSGIServer | None = None
@@ -84,13 +86,14 @@ class Telemetry:
 
     def _start_metrics(self, resource: Resource) -> None:
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
-        from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+        from prometheus_client import ProcessCollector, start_http_server
 
         registry = CollectorRegistry()
         ProcessCollector(registry=registry)  # process_cpu_seconds_total, resident memory, ...
         reader = PrometheusMetricReader(registry=registry)
         self._meter_provider = MeterProvider(metric_readers=[reader], resource=resource)
         self.meter = self._meter_provider.get_meter(SCOPE)
+        self.metrics_registry = registry
         self._metrics_server, _ = start_http_server(
             self.settings.metrics_port, addr=self.settings.metrics_host, registry=registry
         )

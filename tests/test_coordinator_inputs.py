@@ -26,7 +26,9 @@ from layerline.coordinator.chain import MemberLinks, ProbeFailed, probe
 from layerline.coordinator.cluster import Cluster
 from layerline.coordinator.members import RegistryServicer
 from layerline.coordinator.registry import Registry, Worker
-from layerline.coordinator.servicer import Admission, CoordinatorServicer
+from layerline.coordinator.requests import Admission
+from layerline.coordinator.servicer import CoordinatorServicer
+from layerline.coordinator.serving import Serving
 from layerline.coordinator.telemetry import CoordinatorTelemetry
 from layerline.coordinator.text import TextModel
 from layerline.protos.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
@@ -80,7 +82,9 @@ async def coordinator(text: TextModel, **limits: Any) -> AsyncIterator[coordinat
         }
     )
     telemetry = CoordinatorTelemetry(Telemetry(TelemetrySettings(), service="test"), model_name="smollm2")
-    servicer = CoordinatorServicer(cluster, text, admission=admission, model_name="smollm2", telemetry=telemetry)
+    servicer = CoordinatorServicer(
+        Serving(cluster, text, admission=admission, model_name="smollm2", telemetry=telemetry)
+    )
     server = grpc.aio.server(options=server_options(BIG))
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")

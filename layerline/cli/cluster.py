@@ -21,6 +21,7 @@ from .support import (
     add_client_flags,
     add_telemetry_flags,
     client_credentials,
+    http_port_flag,
     reported_as_errors,
     telemetry_settings,
 )
@@ -45,6 +46,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 
 def _cluster_flags(p: argparse.ArgumentParser) -> None:
     add_model_flags(p)
+    http_port_flag(p)
     plan = ClusterPlan
     p.add_argument(
         "--stages",
@@ -121,6 +123,7 @@ def _start_cluster(args: argparse.Namespace, *, restarts: RestartPolicy = Cluste
             api_tokens=args.api_tokens,
             admin_tokens=args.admin_tokens,
             restarts=restarts,
+            http_port=args.http_port,
         )
         cluster = LocalCluster(plan, checkpoint)  # checks the split before anything starts
     print(
@@ -149,6 +152,8 @@ def _start_cluster(args: argparse.Namespace, *, restarts: RestartPolicy = Cluste
         )
         print(f"  traces: {args.trace}, to {where}", file=sys.stderr)
     print(f"  stage workers register at {cluster.cluster_address}", file=sys.stderr)
+    if cluster.http_url is not None:
+        print(f"  OpenAI-compatible HTTP API: {cluster.http_url}", file=sys.stderr)
     if cluster.ca_cert is not None:
         print(f"  TLS: clients trust {cluster.ca_cert} (export {CA_VARIABLE}={cluster.ca_cert})", file=sys.stderr)
     if cluster.admin_tokens is not None:

@@ -15,6 +15,7 @@ from .support import (
     add_telemetry_flags,
     add_tls_flags,
     configure_logging,
+    http_port_flag,
     reported_as_errors,
     telemetry_settings,
     tls_settings,
@@ -230,6 +231,7 @@ def _run_coordinator(args: argparse.Namespace) -> int:
             admin_tokens=args.admin_tokens,
             max_concurrent_rpcs=args.max_concurrent_rpcs,
             health_port=args.health_port,
+            http_port=args.http_port,
         )
     from layerline.coordinator.server import run_coordinator
     from layerline.model_store import ModelStoreError
@@ -355,6 +357,7 @@ def add_coordinator_commands(commands: Subcommands) -> None:
         help=f"calls served at once on each port; past it new calls are refused (default: {C.max_concurrent_rpcs})",
     )
     _health_port_flag(c)
+    http_port_flag(c)
     add_tls_flags(c, who="the Registry (the cluster port)")
     tokens = c.add_argument_group(
         "clients",

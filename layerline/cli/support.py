@@ -27,6 +27,7 @@ __all__ = [
     "add_tls_flags",
     "client_credentials",
     "configure_logging",
+    "http_port_flag",
     "reported_as_errors",
     "telemetry_settings",
     "tls_settings",
@@ -140,3 +141,16 @@ def add_client_flags(p: argparse.ArgumentParser, *, default_target: str) -> None
 def client_credentials(args: argparse.Namespace) -> tuple[str | None, str | None]:
     """(token, CA file) from the flags, else from $LAYERLINE_TOKEN and $LAYERLINE_CA_CERT."""
     return args.token or os.environ.get(TOKEN_VARIABLE) or None, args.ca_cert or os.environ.get(CA_VARIABLE) or None
+
+
+def http_port_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        metavar="P",
+        help="also serve the OpenAI-compatible HTTP API on port P of the same host: POST /v1/completions, "
+        "POST /v1/chat/completions, GET /v1/models, GET /health (200 while a complete chain serves), and "
+        "GET /metrics with --metrics-port; the same tokens and the same TLS certificate as the gRPC API "
+        "(default: off; vLLM's port is 8000)",
+    )
