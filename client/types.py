@@ -127,3 +127,4 @@ class ClusterStatus:
     shared_prefix_tokens: int = 0  # prompt tokens copied from a live or cached sequence's KV, not computed
     preemptions: int = 0  # sequences whose KV was freed for an older one's and recomputed later
     stalls: int = 0  # chains that stopped answering steps within their bound; their sequences moved
+    prefix_cache_queries: int = 0  # tokens of started sequences looked up in the KV; shared_prefix_tokens were found

@@ -185,6 +185,7 @@ def cluster_from(response: coordinator_pb2.ClusterStatusResponse) -> ClusterStat
         response.shared_prefix_tokens,
         response.preemptions,
         response.stalls,
+        response.prefix_cache_queries,
     )
 
 

@@ -78,10 +78,12 @@ def _read(path: str | None, flag: str) -> set[str]:
 
 
 def bearer(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
-    """The token of an `authorization: Bearer TOKEN` entry, if any."""
+    """The token of an `authorization: Bearer TOKEN` entry, if any (the scheme in any case, RFC 7235)."""
     for key, value in metadata or ():
-        if key.lower() == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
-            return value.removeprefix("Bearer ").strip()
+        if key.lower() == "authorization" and isinstance(value, str):
+            scheme, _, token = value.partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
     return None
 
 

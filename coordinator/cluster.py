@@ -32,6 +32,10 @@ from .steps import Sequence, StepFailed
 log = logging.getLogger(__name__)
 
 FAILOVER_CODES = (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED)  # a hop is gone or stuck: move, do not fail
+ROUTINGS = ("cache", "load")
+# Cache-aware routing sends a sequence to the chain holding the longest prefix of it unless that
+# chain runs this many more sequences than the least loaded one (SGLang's router balances so too).
+BALANCE_SLACK = 8
 
 
 @dataclass(frozen=True)
@@ -75,8 +79,11 @@ class Cluster:
         links: MemberLinks,
         failover: FailoverPolicy = FailoverPolicy(),
         stall: StallPolicy = StallPolicy(),
+        routing: str = "cache",
         tracer: Tracer | None = None,
     ) -> None:
+        if routing not in ROUTINGS:
+            raise ValueError(f"--routing {routing!r} is not one of {', '.join(ROUTINGS)}")
         self.registry = registry
         self.links = links  # the route key and the credentials that reach the stages
         self.tracer = tracer  # the chains' step spans; None when tracing is off
@@ -87,6 +94,8 @@ class Cluster:
         self._probing: set[str] = set()  # addresses whose readiness probe is running
         self.failovers = 0  # sequences moved off a failed chain, since start
         self.shared_prefix_tokens = 0  # prompt tokens copied from a live or cached sequence's KV, since start
+        self.prefix_queries = 0  # tokens of the sequences started, looked up in their chain's KV, since start
+        self.routing = routing  # "cache": to the chain that holds a new sequence's prefix; "load": the least loaded
         self.last_failover_gap = 0.0  # seconds from a failure to the moved sequence's next token
         self.max_failover_gap = 0.0
         self.max_message_bytes = max_message_bytes
@@ -146,6 +155,7 @@ class Cluster:
             release=client.release,
             on_failover_gap=self._failover_gap,
             on_shared_prefix=self._shared_prefix,
+            on_prefix_query=self._prefix_query,
             on_preempted=self._preempted,
         )
         running = RunningChain(replica, workers, client, scheduler)
@@ -213,6 +223,9 @@ class Cluster:
     def _preempted(self, seq: Sequence) -> None:
         self.preemptions += 1
 
+    def _prefix_query(self, tokens: int) -> None:
+        self.prefix_queries += tokens
+
     def _shared_prefix(self, tokens: int) -> None:
         self.shared_prefix_tokens += tokens
 
@@ -238,10 +251,23 @@ class Cluster:
         self.refresh()
         if not self.chains:
             raise NoChainError(f"no complete chain of workers covers layers [0, {self.registry.num_layers}) right now")
-        chain = min(self.chains, key=lambda c: (c.scheduler.waiting, c.scheduler.load, c.replica))
+        chain = self._route(seq)
         self._where[seq.sequence_id] = chain
         chain.scheduler.add(seq)
         return chain
+
+    def _route(self, seq: Sequence) -> RunningChain:
+        """The least loaded chain (fewest waiting for KV, then fewest sequences) or, routing by
+        cache, the chain whose live or cached sequences hold the longest prefix of `seq`, unless
+        it runs more than BALANCE_SLACK sequences beyond the least loaded one."""
+        least = min(self.chains, key=lambda c: (c.scheduler.waiting, c.scheduler.load, c.replica))
+        if self.routing != "cache" or len(self.chains) == 1:
+            return least
+        held = {c.replica: c.scheduler.longest_prefix(seq) for c in self.chains}
+        best = max(self.chains, key=lambda c: (held[c.replica], -c.scheduler.load))
+        if held[best.replica] == 0 or best.scheduler.load - least.scheduler.load > BALANCE_SLACK:
+            return least
+        return best
 
     def finish(self, seq: Sequence) -> None:
         chain = self._where.pop(seq.sequence_id, None)

@@ -22,24 +22,26 @@ import logging
 import math
 import socket
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, TypeVar
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from layerline.shared.errors import Code, InvalidInput, NoCapacity, Unreachable, status_of
 
-from .auth import Tokens
+from .auth import Tokens, bearer
 from .generation import Delta, Finished
 from .openai_api import Answer, Asked, asked, error_body, messages_of, prompt_of
 from .requests import check_chat, check_prompt
 from .serving import GenerationFailed, Request, Serving, UnknownModel
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 HTTP_STATUS = {
     Code.INVALID_ARGUMENT: 400,
@@ -55,6 +57,19 @@ HTTP_STATUS = {
 def _error(status: int, message: str, *, retry_after_ms: int | None = None) -> JSONResponse:
     headers = {"Retry-After": str(max(1, math.ceil(retry_after_ms / 1000)))} if retry_after_ms is not None else None
     return JSONResponse(error_body(status, message), status_code=status, headers=headers)
+
+
+async def _not_found(request: HttpRequest, exc: Exception) -> JSONResponse:
+    return _error(404, f"no such path: {request.url.path}")
+
+
+async def _not_allowed(request: HttpRequest, exc: Exception) -> JSONResponse:
+    return _error(405, f"{request.method} is not allowed on {request.url.path}")
+
+
+async def _internal(request: HttpRequest, exc: Exception) -> JSONResponse:
+    log.error("HTTP %s %s failed", request.method, request.url.path, exc_info=exc)
+    return _error(500, "internal error (the coordinator's log has the details)")
 
 
 def _refusal(err: Exception) -> JSONResponse:
@@ -90,28 +105,28 @@ class HttpApi:
         ]
         if metrics is not None:
             routes.append(Route("/metrics", self.prometheus, methods=["GET"]))
-        self.app = Starlette(routes=routes)
+        handlers = {404: _not_found, 405: _not_allowed, 500: _internal}
+        self.app = Starlette(routes=routes, exception_handlers=handlers)
 
     def _unauthorized(self, request: HttpRequest) -> JSONResponse | None:
         if not self.tokens.required:
             return None
-        header = request.headers.get("authorization", "")
-        token = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else None
-        if self.tokens.role_of(token) is None:
+        if self.tokens.role_of(bearer(request.headers.items())) is None:
             return _error(401, "a valid bearer token is required (Authorization: Bearer TOKEN)")
         return None
 
     async def _body(self, request: HttpRequest) -> dict[str, Any]:
-        """The JSON object of the body; InvalidInput past the size limit or for anything else."""
+        """The JSON object of the body; BodyTooLarge past the size limit, InvalidInput for anything
+        but a JSON object."""
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > self.max_body_bytes:
-                raise InvalidInput(f"the request body is over {self.max_body_bytes} bytes")
+                raise BodyTooLarge(f"the request body is over {self.max_body_bytes} bytes")
             chunks.append(chunk)
         try:
             body = json.loads(b"".join(chunks))
-        except (ValueError, UnicodeDecodeError) as err:
+        except (ValueError, RecursionError) as err:
             raise InvalidInput(f"the request body is not JSON: {err}") from None
         if not isinstance(body, dict):
             raise InvalidInput("the request body must be a JSON object")
@@ -129,6 +144,13 @@ class HttpApi:
         serving = self.serving
         try:
             body = await self._body(request)
+        except ClientDisconnect:
+            return Response(status_code=499)  # nobody reads it
+        except BodyTooLarge as err:
+            return _error(413, str(err))
+        except InvalidInput as err:
+            return _error(400, str(err))
+        try:
             options = asked(body, chat=chat)
             if chat:
                 conversation = check_chat(messages_of(body), serving.admission)
@@ -158,19 +180,25 @@ class HttpApi:
         )
         events = serving.generate(ask)
         if not options.stream:
-            try:
+
+            async def whole() -> None:
                 async with contextlib.aclosing(events):
                     async for event in events:
                         answer.take(event, logprobs=options.logprobs)
+
+            try:
+                await _unless_disconnected(request, whole())
             except REFUSALS as err:
                 return _refusal(err)
+            except ClientDisconnect:
+                return Response(status_code=499)
             return JSONResponse(answer.whole(logprobs=options.logprobs))
-        try:
-            first = await events.__anext__()  # a refusal still gets its status, before the stream starts
-        except REFUSALS as err:
+        try:  # a refusal still gets its status: the stream starts with the first event
+            first = await _unless_disconnected(request, events.__anext__())
+        except (*REFUSALS, ClientDisconnect) as err:
             await events.aclose()
-            return _refusal(err)
-        return StreamingResponse(
+            return _refusal(err) if not isinstance(err, ClientDisconnect) else Response(status_code=499)
+        return _ClosingStream(
             _sse(answer, first, events, options),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -227,6 +255,45 @@ async def _sse(
 
 def _chain_first(first: Delta | Finished) -> Iterator[Delta | Finished]:
     yield first
+
+
+class BodyTooLarge(InvalidInput):
+    """The request body is over the API's limit."""
+
+
+async def _unless_disconnected(request: HttpRequest, work: Awaitable[T]) -> T:
+    """`work`'s result, or ClientDisconnect once the client has gone (`work` is then cancelled,
+    which ends its request and frees its KV), as vLLM's `with_cancellation` does."""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, *REFUSALS):
+            await task
+        raise ClientDisconnect
+    return task.result()
+
+
+class _ClosingStream(StreamingResponse):
+    """A stream whose events are closed however the response ends, so the request is cancelled
+    at once when the client goes, not when the garbage collector finds the generator."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                await close()
 
 
 def _data(payload: dict[str, Any]) -> str:

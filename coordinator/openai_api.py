@@ -18,11 +18,27 @@ from dataclasses import dataclass
 from typing import Any
 
 from layerline.shared.errors import InvalidInput
-from layerline.shared.sampling import SamplingParams
+from layerline.shared.sampling import MAX_LOGPROBS, SamplingParams
 
 from .generation import Delta, Finished
 
 Json = dict[str, Any]
+# Fields that would change the answer and that layerline does not serve, with the value that
+# changes nothing: any other value is refused, never ignored.
+UNSERVED = (
+    ("echo", False),
+    ("best_of", 1),
+    ("suffix", None),
+    ("logit_bias", None),
+    ("tools", None),
+    ("tool_choice", "none"),
+    ("functions", None),
+    ("function_call", "none"),
+    ("ignore_eos", False),
+    ("min_tokens", 0),
+    ("stop_token_ids", None),
+    ("include_stop_str_in_output", False),
+)
 
 
 @dataclass(frozen=True)
@@ -43,12 +59,16 @@ def asked(body: Json, *, chat: bool) -> Asked:
     _refuse_unserved(body)
     if chat:
         max_tokens = _optional(body, "max_completion_tokens", int)
+        if max_tokens is not None and max_tokens < 1:
+            raise InvalidInput(f"max_completion_tokens = {max_tokens} must be >= 1")
         if max_tokens is None:
             max_tokens = _optional(body, "max_tokens", int)
         logprobs = bool(_optional(body, "logprobs", bool))
         top = _optional(body, "top_logprobs", int)
         if top is not None and not logprobs:
             raise InvalidInput("top_logprobs needs logprobs = true")
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise InvalidInput(f"top_logprobs = {top} must be in [0, {MAX_LOGPROBS}]")
         alternatives = (top or 0) if logprobs else None
     else:
         max_tokens = _optional(body, "max_tokens", int)
@@ -61,11 +81,16 @@ def asked(body: Json, *, chat: bool) -> Asked:
         stop = []
     elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise InvalidInput("stop must be a string or a list of strings")
+    stream = bool(_optional(body, "stream", bool))
     options = _optional(body, "stream_options", dict) or {}
+    if options and not stream:
+        raise InvalidInput("stream_options needs stream = true")
+    include_usage = _optional(options, "include_usage", bool)
+    top_k = _optional(body, "top_k", int)
     sampling = SamplingParams(
         temperature=_number(body, "temperature", 1.0),
         top_p=_number(body, "top_p", 1.0),
-        top_k=_optional(body, "top_k", int) or 0,
+        top_k=0 if top_k in (None, -1) else top_k,  # vLLM's -1, like 0, keeps every token
         min_p=_number(body, "min_p", 0.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0),
         seed=_optional(body, "seed", int),
@@ -76,8 +101,8 @@ def asked(body: Json, *, chat: bool) -> Asked:
         max_tokens=max_tokens,
         stop=stop,
         model=_optional(body, "model", str) or "",
-        stream=bool(_optional(body, "stream", bool)),
-        include_usage=bool(options.get("include_usage")),
+        stream=stream,
+        include_usage=bool(include_usage),
         logprobs=logprobs,
     )
 
@@ -87,6 +112,8 @@ def prompt_of(body: Json) -> str:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         return prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (int, list)) for p in prompt):
+        raise InvalidInput("prompt as token ids is not served; send the text")
     if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
         raise InvalidInput(f"prompt: a list of {len(prompt)} prompts; one prompt per request is served")
     if not isinstance(prompt, str):
@@ -124,14 +151,19 @@ def messages_of(body: Json) -> list[ChatMessage]:
 
 def _refuse_unserved(body: Json) -> None:
     n = body.get("n", 1)
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int)):
+        raise InvalidInput("n must be an integer")
     if n not in (1, None):
         raise InvalidInput(f"n = {n}: only n = 1 is served (send the request again for another answer)")
     for name in ("frequency_penalty", "presence_penalty"):
         if body.get(name) not in (0, 0.0, None):
             raise InvalidInput(f"{name} = {body[name]} is not served; repetition_penalty (an extra field) is")
-    for name, default in (("echo", False), ("best_of", 1), ("suffix", None), ("logit_bias", None), ("tools", None)):
-        if body.get(name) not in (default, None, {}, []):
+    for name, default in UNSERVED:
+        if body.get(name) not in (default, None, {}, [], ""):
             raise InvalidInput(f"{name} is not served")
+    response_format = body.get("response_format")
+    if response_format not in (None, {"type": "text"}):
+        raise InvalidInput("response_format is not served (only text)")
 
 
 def _optional(body: Json, name: str, kind: type) -> Any:
@@ -164,6 +196,7 @@ class Answer:
         self.text: list[str] = []
         self.logprobs: list[Json] = []
         self.finished: Finished | None = None
+        self._streamed = 0  # characters of the answer streamed so far (the next chunk's text offset)
 
     def take(self, event: Delta | Finished, *, logprobs: bool) -> None:
         if isinstance(event, Finished):
@@ -234,7 +267,8 @@ class Answer:
             choice["logprobs"] = {"content": entries} if logprobs and entries else None
         else:
             choice["text"] = text
-            choice["logprobs"] = _completion_logprobs(entries) if logprobs and entries else None
+            choice["logprobs"] = _completion_logprobs(entries, self._streamed) if logprobs and entries else None
+        self._streamed += len(text)
         return {
             **self._head("chat.completion.chunk" if self.chat else "text_completion"),
             "choices": [choice],
@@ -249,9 +283,9 @@ class Answer:
         }
 
 
-def _completion_logprobs(entries: list[Json]) -> Json:
-    """The legacy completions shape: parallel lists."""
-    offsets, at = [], 0
+def _completion_logprobs(entries: list[Json], at: int = 0) -> Json:
+    """The legacy completions shape: parallel lists; text offsets from `at` characters into the answer."""
+    offsets = []
     for e in entries:
         offsets.append(at)
         at += len(e["token"])

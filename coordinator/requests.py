@@ -82,7 +82,10 @@ def check_chat(messages: Sequence[Message], admission: Admission) -> list[dict[s
 def _utf8_size(field: str, text: str, limit: int, *, name: str = "") -> int:
     """The UTF-8 size of `text`, or OverLimit naming `field` and the limit (`name` + `limit`) past
     it. A text of more than `limit` characters is refused without being measured."""
-    size = len(text) if len(text) > limit else len(text.encode())
+    try:
+        size = len(text) if len(text) > limit else len(text.encode())
+    except UnicodeEncodeError:
+        raise InvalidInput(f"{field} is not valid Unicode text (it holds a lone surrogate)") from None
     if size > limit:
         raise OverLimit(f"{field} is longer than {name}{limit} bytes")
     return size

@@ -33,7 +33,7 @@ from typing import Any
 
 from layerline.shared.errors import Code
 
-from .prefix_cache import PrefixCache, blocks
+from .prefix_cache import PrefixCache, blocks, longest_prefix
 from .step_plan import StepPlan
 from .steps import Outcome, PlannedStep, Sequence, Slice, StepFailed, StepSender
 
@@ -58,6 +58,7 @@ class ChainScheduler:
         release: Callable[[list[str]], Coroutine[Any, Any, None]],
         on_failover_gap: Callable[[Sequence, float], None] = lambda seq, seconds: None,
         on_shared_prefix: Callable[[int], None] = lambda tokens: None,
+        on_prefix_query: Callable[[int], None] = lambda tokens: None,
         on_preempted: Callable[[Sequence], None] = lambda seq: None,
     ) -> None:
         self.send = send
@@ -75,6 +76,7 @@ class ChainScheduler:
         self.release = release
         self.on_failover_gap = on_failover_gap
         self.on_shared_prefix = on_shared_prefix
+        self.on_prefix_query = on_prefix_query  # a sequence starts: its tokens are looked up in the KV
         self.on_preempted = on_preempted
         self.sequences: dict[str, Sequence] = {}
         self.held: dict[str, int] = {}  # KV name -> positions it takes on each stage, until freed
@@ -96,6 +98,13 @@ class ChainScheduler:
     def cached_tokens(self) -> int:
         """KV positions the cache of finished sequences holds on each stage of the chain."""
         return self.cached.tokens
+
+    def longest_prefix(self, seq: Sequence) -> int:
+        """Tokens of `seq`'s history that a live or cached sequence of this chain holds in its KV."""
+        if not self.share_prefixes:
+            return 0
+        lenders = [*(s for s in self.sequences.values() if not s.done), *self.cached.values()]
+        return longest_prefix(seq, lenders)[1]
 
     def cached_blocks(self, block_size: int) -> int:
         """KV blocks of `block_size` tokens the cache holds on one stage."""
@@ -206,21 +215,31 @@ class ChainScheduler:
             for seq in mine:
                 seq.in_flight = False
             self.on_step_failed(mine, err)
+        except Exception as err:  # a bug: the step's sequences fail, and nothing is left in flight
+            log.exception("a step of %d sequence(s) could not be sent", len(step.slices))
+            for s in step.slices:
+                s.seq.in_flight = False
+                if self._owns(s.seq):
+                    s.seq.on_error(Code.INTERNAL, f"the step could not be sent: {err!r}")
         else:
             by_name = {o.sequence_id: o for o in outcomes}
             for s in step.slices:
                 if self._owns(s.seq):  # a sequence moved to another chain meanwhile is not ours
                     self._apply(s, by_name.get(s.seq.kv_id))
         finally:
-            for s in step.slices:
-                if s.seq.done:
-                    s.seq.in_flight = False  # finished meanwhile: its outcome was not applied
-                self._release_if_idle(s.seq)
-                if s.prefix_from is not None:
-                    s.prefix_from.lent -= 1
-                    self._release_if_idle(s.prefix_from)
-            self.in_flight -= 1
-            self._wake.set()
+            self._returned(step)
+
+    def _returned(self, step: PlannedStep) -> None:
+        """A step came back, one way or another: its sequences and lenders may be freed now."""
+        for s in step.slices:
+            if s.seq.done:
+                s.seq.in_flight = False  # finished meanwhile: its outcome was not applied
+            self._release_if_idle(s.seq)
+            if s.prefix_from is not None:
+                s.prefix_from.lent -= 1
+                self._release_if_idle(s.prefix_from)
+        self.in_flight -= 1
+        self._wake.set()
 
     def _owns(self, seq: Sequence) -> bool:
         return self.sequences.get(seq.sequence_id) is seq

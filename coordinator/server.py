@@ -57,6 +57,7 @@ async def serve(settings: CoordinatorSettings, *, stop: asyncio.Event | None = N
         share_prefixes=settings.share_prefixes,
         prefix_cache=settings.prefix_cache,
         depth=settings.depth,
+        routing=settings.routing,
         links=links,
         tracer=telemetry.tracer,
     )
@@ -178,6 +179,8 @@ def _serving(
         failovers=lambda: cluster.failovers,
         preemptions=lambda: cluster.preemptions,
         stalls=lambda: cluster.stalls,
+        prefix_queries=lambda: cluster.prefix_queries,
+        prefix_hits=lambda: cluster.shared_prefix_tokens,
     )
     return serving
 

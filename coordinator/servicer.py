@@ -142,6 +142,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             shared_prefix_tokens=self.cluster.shared_prefix_tokens,
             preemptions=self.cluster.preemptions,
             stalls=self.cluster.stalls,
+            prefix_cache_queries=self.cluster.prefix_queries,
         )
         for w in registry.workers():
             entry = response.workers.add(

@@ -30,6 +30,7 @@ class CoordinatorSettings:
     token_budget: int = 512  # tokens per micro-batch step; longer prompts are prefilled in chunks
     share_prefixes: bool = True  # a new sequence copies the KV of a prefix a live one already computed
     prefix_cache: float = DEFAULT_PREFIX_CACHE  # share of a chain's KV that finished sequences may keep
+    routing: str = "cache"  # new sequences go to the chain holding their prefix ("cache") or the least loaded ("load")
     depth: int | None = None  # micro-batches in flight per chain; default: the chain's length
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # UTF-8 bytes of a prompt, a chat's contents or rendering
     max_prompt_tokens: int | None = None  # a prompt's tokens at most; default: the model's context length

@@ -80,6 +80,8 @@ class StepPlan:
             self._evict_cache(need, keep=keep)
         end = start + min(len(seq.history) - start, self.budget)
         self._take(seq, start, end, donor)
+        if sched.share_prefixes:
+            sched.on_prefix_query(len(seq.history))
         return True
 
     def never_fits(self, seq: Sequence) -> bool:

@@ -95,6 +95,8 @@ class CoordinatorTelemetry:
         failovers: Callable[[], int],
         preemptions: Callable[[], int] = lambda: 0,
         stalls: Callable[[], int] = lambda: 0,
+        prefix_queries: Callable[[], int] = lambda: 0,
+        prefix_hits: Callable[[], int] = lambda: 0,
     ) -> None:
         """Gauges read at each scrape: requests generating, requests waiting for a slot; counters
         of failovers, preemptions and stalled chains."""
@@ -117,6 +119,8 @@ class CoordinatorTelemetry:
                 "Sequences whose KV was freed for an older sequence's and recomputed later",
             ),
             ("layerline_chain_stalls", stalls, "{chain}", "Chains that stopped answering steps within their bound"),
+            ("layerline_prefix_cache_queries", prefix_queries, "{token}", "Tokens of started sequences looked up"),
+            ("layerline_prefix_cache_hits", prefix_hits, "{token}", "Tokens found in the KV and copied, not computed"),
         )
         for name, read, unit, description in gauges:
             self.meter.create_observable_gauge(name, [reading(read)], unit=unit, description=description)

@@ -28,13 +28,15 @@ class SamplingParams:
         """Raise InvalidInput (a ValueError) naming the field and its limit."""
         if not 0.0 <= self.temperature <= 100.0:
             raise InvalidInput(f"temperature = {self.temperature} must be in [0, 100]")
-        if self.top_k < 0:
-            raise InvalidInput(f"top_k = {self.top_k} must be >= 0")
+        if not 0 <= self.top_k < 2**32:
+            raise InvalidInput(f"top_k = {self.top_k} must be in [0, 2**32)")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidInput(f"top_p = {self.top_p} must be in (0, 1]")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidInput(f"min_p = {self.min_p} must be in [0, 1]")
         if not 0.0 < self.repetition_penalty <= 100.0:
             raise InvalidInput(f"repetition_penalty = {self.repetition_penalty} must be in (0, 100]")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise InvalidInput(f"seed = {self.seed} must be in [0, 2**64)")
         if not 0 <= (self.logprobs or 0) <= MAX_LOGPROBS:
             raise InvalidInput(f"logprobs = {self.logprobs} must be in [0, {MAX_LOGPROBS}]")

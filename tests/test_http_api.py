@@ -132,6 +132,9 @@ def test_models_name_the_model_and_health_says_a_chain_serves(cluster: LocalClus
         (dict(frequency_penalty=0.5), openai.BadRequestError, "frequency_penalty = 0.5 is not served"),
         (dict(max_tokens=0), openai.BadRequestError, "max_tokens = 0 must be >= 1"),
         (dict(model="no-such-model"), openai.NotFoundError, "model 'no-such-model' is not served here"),
+        (dict(seed=-1), openai.BadRequestError, "seed = -1 must be in [0, 2**64)"),  # gRPC's uint64 cannot say it
+        (dict(extra_body={"top_k": 2**32}), openai.BadRequestError, "top_k = 4294967296 must be in [0, 2**32)"),
+        (dict(extra_body={"ignore_eos": True}), openai.BadRequestError, "ignore_eos is not served"),
     ],
 )
 def test_each_bad_request_gets_openais_error_shape_and_status(cluster, options, error, words) -> None:  # type: ignore[no-untyped-def]
@@ -142,6 +145,38 @@ def test_each_bad_request_gets_openais_error_shape_and_status(cluster, options, 
     assert words in raised.value.message
     body = raised.value.body
     assert isinstance(body, dict) and words in body["message"] and body["type"].endswith("_error")
+
+
+def _post(url: str, data: bytes, *, timeout: float = 30) -> tuple[int, dict]:  # type: ignore[type-arg]
+    request = urllib.request.Request(url, data=data, headers={"Authorization": f"bearer {TOKEN}"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_what_no_client_should_send_gets_an_openai_error_not_a_500(cluster: LocalCluster) -> None:
+    url = cluster.http_url
+    assert url is not None
+    deep = b"[" * 100_000 + b"]" * 100_000
+    for data, status, words in [
+        (deep, 400, "not JSON"),
+        (b"{", 400, "not JSON"),
+        (b'{"prompt": "\\ud800abc"}', 400, "prompt is not valid Unicode text"),  # a lone surrogate, escaped
+        (b'{"prompt": "x"' + b" " * (3 << 20) + b"}", 413, "request body is over"),
+        (json.dumps({"prompt": [1, 2, 3]}).encode(), 400, "prompt as token ids is not served"),
+        (json.dumps({"prompt": "x", "stream_options": {"include_usage": True}}).encode(), 400, "needs stream"),
+    ]:
+        got, body = _post(url + "/completions", data)  # the scheme's case does not matter (RFC 7235)
+        assert (got, body["error"]["type"]) == (status, error_type(status)), body
+        assert words in body["error"]["message"]
+    got, body = _post(url + "/no-such-path", b"{}")
+    assert got == 404 and body["error"]["type"] == "not_found_error"
+
+
+def error_type(status: int) -> str:
+    return {400: "invalid_request_error", 413: "invalid_request_error"}[status]
 
 
 def test_a_missing_or_wrong_token_gets_401(cluster: LocalCluster) -> None:
@@ -221,8 +256,13 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tiny-http")
     make_tiny_checkpoint("smollm2", path, num_layers=2, vocab_size=259)
     assert write_byte_tokenizer(path) == 259
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 8192, "eos_token_id": None}))
+    for name, changes in [  # no end-of-sequence token: every answer runs to its max_tokens
+        ("config.json", {"max_position_embeddings": 8192, "eos_token_id": None}),
+        ("generation_config.json", {"eos_token_id": None}),
+        ("tokenizer_config.json", {"eos_token": None}),
+    ]:
+        config = json.loads((path / name).read_text())
+        (path / name).write_text(json.dumps({**config, **changes}))
     return path
 
 
@@ -255,11 +295,20 @@ def test_a_full_queue_gets_429_with_retry_after(tiny: Path, tmp_path: Path) -> N
             http.completions.create(model="", prompt="refused", max_tokens=4)
         holder.close()
         waiting.join(30)
+        # A client that leaves before its whole (non-streamed) answer cancels it at once.
+        with pytest.raises((TimeoutError, urllib.error.URLError)):
+            _post(f"{cluster.http_url}/completions", b'{"prompt": "long", "max_tokens": 8000}', timeout=1)
+        with Client(cluster.address) as sdk:
+            deadline = time.monotonic() + 10
+            while sdk.cluster().active_requests and time.monotonic() < deadline:
+                time.sleep(0.1)
+            left = sdk.cluster().active_requests
     finally:
         cluster.stop()
     assert raised.value.status_code == 429
     assert raised.value.response.headers["retry-after"] == "1"
     assert "max_queued = 1" in raised.value.message
+    assert left == 0
 
 
 def test_a_coordinator_without_a_chain_answers_503(tiny: Path, tmp_path: Path) -> None:

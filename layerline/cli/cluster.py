@@ -269,7 +269,8 @@ def _run_status(args: argparse.Namespace) -> int:
         f"{len(status.chains)} chain(s), {status.active_requests} active, {status.queued_requests} queued, "
         f"{status.failovers} failover(s) (gap last {status.last_failover_gap_seconds:.2f}s, "
         f"max {status.max_failover_gap_seconds:.2f}s), {status.shared_prefix_tokens} prompt token(s) "
-        f"copied from another sequence's KV, {status.preemptions} preemption(s), {status.stalls} stalled chain(s)"
+        f"copied from another sequence's KV (of {status.prefix_cache_queries} looked up), "
+        f"{status.preemptions} preemption(s), {status.stalls} stalled chain(s)"
     )
     for chain in status.chains:
         print(

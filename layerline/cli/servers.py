@@ -220,6 +220,7 @@ def _run_coordinator(args: argparse.Namespace) -> int:
             token_budget=args.token_budget,
             share_prefixes=not args.no_prefix_sharing,
             prefix_cache=args.prefix_cache,
+            routing=args.routing,
             depth=args.depth,
             max_prompt_bytes=parse_size(args.max_prompt_bytes),
             max_prompt_tokens=args.max_prompt_tokens,
@@ -355,6 +356,14 @@ def add_coordinator_commands(commands: Subcommands) -> None:
         default=C.max_concurrent_rpcs,
         metavar="N",
         help=f"calls served at once on each port; past it new calls are refused (default: {C.max_concurrent_rpcs})",
+    )
+    c.add_argument(
+        "--routing",
+        choices=("cache", "load"),
+        default=C.routing,
+        help="where a new sequence goes when there are several chains: cache, to the chain whose live or "
+        "cached sequences hold the longest prefix of its prompt unless that chain runs 8 more sequences "
+        "than the least loaded one; load, always to the least loaded (default: %(default)s)",
     )
     _health_port_flag(c)
     http_port_flag(c)
