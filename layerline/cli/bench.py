@@ -84,6 +84,35 @@ def _run_bench_chaos(args: argparse.Namespace) -> int:
     return 0 if report.passed() else 1
 
 
+def _run_bench_routing(args: argparse.Namespace) -> int:
+    import json
+    import tempfile
+    from dataclasses import asdict
+
+    from layerline.bench.routing import measure, table
+    from layerline.model_store import ModelStoreError, resolve_model
+
+    log_dir = Path(tempfile.mkdtemp(prefix="layerline-routing-"))
+    with reported_as_errors(ModelStoreError, RuntimeError, TimeoutError):
+        checkpoint = resolve_model(args.model)
+        figures = [
+            measure(
+                checkpoint,
+                routing,
+                port=args.port,
+                log_dir=log_dir,
+                per_prompt=args.per_prompt,
+                concurrency=args.concurrency,
+                log=lambda m: print(f"[routing] {m}", file=sys.stderr, flush=True),
+            )
+            for routing in ("load", "cache")
+        ]
+    print(table(figures), end="")
+    if args.json is not None:
+        args.json.write_text(json.dumps([asdict(f) for f in figures], indent=2) + "\n")
+    return 0
+
+
 def _run_bench(args: argparse.Namespace) -> int:
     from layerline.bench.run import run_bench
     from layerline.model_store import ModelStoreError, resolve_model
@@ -178,6 +207,26 @@ def add_bench_commands(commands: Subcommands) -> None:
     )
     links.set_defaults(handler=_run_bench_links)
     _add_chaos(studies)
+    routing = studies.add_parser(
+        "routing",
+        help="cache-aware routing against load-only: prefix-cache hit rate and median first token",
+        description="Run two clusters of 2 replicas of 1 stage, one after the other, routing new "
+        "sequences by load only (--routing load) and by cache (--routing cache), each serving the same "
+        "requests: --per-prompt for each of 4 system prompts of about 300 tokens, shuffled, --concurrency "
+        "at a time. Prints each one's prefix-cache hit rate (prompt tokens found in the chain's KV over "
+        "those looked up) and median time to the first token.",
+        formatter_class=HelpFormatter,
+    )
+    add_model_flags(routing)
+    routing.add_argument("--port", type=int, default=7470, metavar="P", help="the coordinators' port (default: 7470)")
+    routing.add_argument(
+        "--per-prompt", type=_positive(int), default=12, metavar="N", help="requests per system prompt (default: 12)"
+    )
+    routing.add_argument(
+        "--concurrency", type=_positive(int), default=4, metavar="N", help="requests at once (default: 4)"
+    )
+    routing.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the figures here")
+    routing.set_defaults(handler=_run_bench_routing)
 
 
 def _add_chaos(studies: Subcommands) -> None:
