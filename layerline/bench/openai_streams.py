@@ -57,6 +57,8 @@ def http_single(cluster: LocalCluster, prompt: str, n: int) -> Stream:
                 arrivals.append(time.perf_counter())
             if chunk.usage is not None:
                 tokens = chunk.usage.completion_tokens
+    if tokens < 2 or not arrivals:
+        raise RuntimeError(f"the stream through HTTP came back with {tokens} tokens in {len(arrivals)} chunks of text")
     first, last = arrivals[0], arrivals[-1]
     gaps = [b - a for a, b in itertools.pairwise(arrivals)]
     mean_gap = (last - first) / max(tokens - 1, 1)
