@@ -25,6 +25,7 @@ import grpc
 import openai
 import pytest
 
+from layerline.bench.openai_streams import check_http_is_grpc, http_aggregate, http_single
 from layerline.client import AsyncClient, Client
 from layerline.launcher import ClusterPlan, LocalCluster
 from layerline.protos.v1 import stage_pb2, stage_pb2_grpc
@@ -214,6 +215,14 @@ def test_sixteen_concurrent_streams_all_complete(cluster: LocalCluster) -> None:
 
     results = asyncio.run(run())
     assert len(results) == 16 and all(reason in ("length", "stop") and text for text, reason in results)
+
+
+def test_the_bench_measures_http_as_it_measures_grpc(cluster: LocalCluster) -> None:
+    """`layerline bench`'s HTTP figures, shortened: the SDK's greedy text, a stream's rate, 4 streams' tokens."""
+    check_http_is_grpc(cluster, PROMPTS[2], 12)
+    one = http_single(cluster, PROMPTS[2], 12)
+    assert 0 < one.ttft_s < 30 and one.decode_tokens_per_s > 0 and one.median_gap_ms > 0
+    assert http_aggregate(cluster, PROMPTS[3], 4, 12) > 0
 
 
 def test_a_client_that_closes_mid_stream_frees_its_kv_on_both_stages(cluster: LocalCluster) -> None:

@@ -3,7 +3,9 @@
 Owns the measurement plan. transformers' `generate` is the baseline (single stream, a batch of
 32 and the first token of a long prompt, same dtype, same thread count), loaded in this
 process; a 1-stage, a 2-stage and a 1-stage tensor-parallel (tp 3) local cluster run beside it
-as real processes, measured through the client SDK. Only one thing computes at a time, and the
+as real processes, measured through the client SDK; the 2-stage one also through its
+OpenAI-compatible HTTP API with the official `openai` client (openai_streams.py), a single stream
+and 16 at once beside the same through the SDK. Only one thing computes at a time, and the
 measurements are interleaved in rounds (baseline, 1 stage, 2 stages, again ...) with the median
 of each kept, so that the drift of a shared machine touches both sides of every ratio alike.
 A single stream's time between tokens is also split into its chain's compute, as the stages count
@@ -31,6 +33,8 @@ from typing import Any
 import grpc
 
 from layerline.bench.hop_floor import measure_hop_floor
+from layerline.bench.openai_streams import check_http_is_grpc, http_aggregate, http_single
+from layerline.bench.stream import Stream
 from layerline.client import AsyncClient, Client
 from layerline.launcher import ClusterPlan, LocalCluster
 from layerline.protos.v1 import stage_pb2, stage_pb2_grpc
@@ -45,21 +49,13 @@ BUDGETS = {  # ratio name -> the least it may be (DESIGN.md, performance budgets
     "single_stream_1_stage_vs_transformers": 1.8,
     "single_stream_2_stages_vs_1_stage": 0.9,
     "concurrent_32_vs_transformers_batch_32": 1.8,
+    # The OpenAI-compatible HTTP API against the gRPC SDK, on the same 2-stage cluster.
+    "http_vs_grpc_single_stream": 0.95,
+    "http_vs_grpc_16_streams": 0.95,
 }
 MAX_HOP_VS_RELAY = 1.5  # an extra hop may add at most this many times the bare relay's time
 TLS_RATIO = "single_stream_2_stages_tls_vs_plaintext"  # with --tls: TLS everywhere against plaintext
 MIN_TLS_RATIO = 0.95
-
-
-@dataclass(frozen=True)
-class Stream:
-    ttft_s: float  # time to first token
-    decode_tokens_per_s: float  # tokens after the first, per second after the first arrived
-    median_gap_ms: float  # the median time between two tokens: robust to a machine's hiccups
-    # Of a cluster's mean time between two tokens: the compute of its stages (as each stage counts
-    # it, summed over the chain), and the rest (scheduling, messages between processes).
-    compute_ms: float = 0.0
-    other_ms: float = 0.0
 
 
 class Seconds(float):
@@ -232,7 +228,7 @@ def run_bench(
     logs = Path(tempfile.gettempdir()) / f"layerline-bench-{os.getpid()}"
     layouts: dict[str, dict[str, Any]] = {
         "1_stage": {"stages": 1},
-        "2_stages": {"stages": 2},
+        "2_stages": {"stages": 2, "http_port": port + 5},  # also the OpenAI-compatible HTTP API
         "1_stage_tp3": {"stages": 1, "tp": 3},
         **({"2_stages_tls": {"stages": 2, "tls": True}} if tls else {}),
     }
@@ -259,6 +255,8 @@ def run_bench(
             cluster.wait_ready()
             cluster_aggregate(cluster, 2, 4)  # warm up
         one, two, tp3 = clusters["1_stage"], clusters["2_stages"], clusters["1_stage_tp3"]
+        http_aggregate(two, PROMPT, 2, 4)  # warm up
+        check_http_is_grpc(two, PROMPT, new_tokens)
         for name, cluster in clusters.items():
             with cluster.client() as client:
                 result.weights_bytes_per_rank[name] = max(w.weights_bytes for w in client.cluster().workers)
@@ -269,6 +267,7 @@ def run_bench(
                 "transformers": lambda: baseline.single(new_tokens),
                 "1_stage": lambda: cluster_single(one, new_tokens),
                 "2_stages": lambda: cluster_single(two, new_tokens),
+                "2_stages_http": lambda: http_single(two, PROMPT, new_tokens),
                 "1_stage_tp3": lambda: cluster_single(tp3, new_tokens),
                 **({"2_stages_tls": lambda: cluster_single(clusters["2_stages_tls"], new_tokens)} if tls else {}),
             },
@@ -292,6 +291,8 @@ def run_bench(
                 "transformers_batch_32": lambda: baseline.batch(32, new_tokens),
                 "2_stages_x32": lambda: cluster_aggregate(two, 32, new_tokens),
                 "1_stage_x32": lambda: cluster_aggregate(one, 32, new_tokens),
+                "2_stages_x16": lambda: cluster_aggregate(two, 16, new_tokens),
+                "2_stages_x16_http": lambda: http_aggregate(two, PROMPT, 16, new_tokens),
             },
         )
         aggregates.update(
@@ -334,6 +335,8 @@ def run_bench(
         # The same difference through the bare relay: this machine's part of the figure above.
         "added_ms_per_extra_hop_per_token_bare_relay": floor.added_ms_per_hop,
         "single_stream_tp3_vs_tp1": s["1_stage_tp3"] / s["1_stage"],
+        "http_vs_grpc_single_stream": s["2_stages_http"] / s["2_stages"],
+        "http_vs_grpc_16_streams": a["2_stages_x16_http"] / a["2_stages_x16"],
         # transformers' time to the first token of the long prompt over ours: above 1, ours is sooner
         "long_prompt_ttft_1_stage_vs_transformers": result.long_prompt_ttft_s["transformers"]
         / result.long_prompt_ttft_s["1_stage"],

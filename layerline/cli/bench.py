@@ -142,11 +142,13 @@ def add_bench_commands(commands: Subcommands) -> None:
         "and batch 32) as the baseline, and local clusters of 1 and 2 stages and "
         "of 1 stage at tp 3: time "
         "to first token and decode tokens/s of one stream, and aggregate tokens/s at "
-        "1, 8 and 32 concurrent streams. Measurements are interleaved in rounds and "
+        "1, 8, 16 and 32 concurrent streams; the 2-stage cluster's single stream and 16 "
+        "streams also through its OpenAI-compatible HTTP API (the openai client) beside the "
+        "gRPC SDK. Measurements are interleaved in rounds and "
         "the medians kept. Then the same extra hop through a bare gRPC relay of the "
         "model's matmuls, as this machine's floor for that figure. Prints the figures, "
         "the ratios and whether each is within DESIGN.md's budget. Needs transformers "
-        "(the test extra).",
+        "and openai (the test extra).",
         formatter_class=HelpFormatter,
     )
     add_model_flags(bench)
@@ -163,7 +165,8 @@ def add_bench_commands(commands: Subcommands) -> None:
         type=int,
         default=7179,
         metavar="P",
-        help="the clusters' coordinators use P+1 to P+3, the bare relay P+10 to P+12 (default: 7179)",
+        help="the clusters' coordinators use P+1 to P+3, the 2-stage cluster's HTTP API P+5, "
+        "the bare relay P+10 to P+12 (default: 7179)",
     )
     bench.add_argument("--json", type=Path, metavar="FILE", help="also write the figures to FILE")
     bench.add_argument(
