@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -154,18 +155,16 @@ class HttpApi:
             options = asked(body, chat=chat)
             if chat:
                 conversation = check_chat(messages_of(body), serving.admission)
-                encode = serving.encoder.chat
-                ask = Request("chat", lambda: encode(conversation), options.sampling)
+                operation, encode = "chat", functools.partial(serving.encoder.chat, conversation)
             else:
                 prompt = prompt_of(body)
                 check_prompt(prompt, serving.admission)
-                tokenize = serving.encoder.prompt
-                ask = Request("text_completion", lambda: tokenize(prompt), options.sampling)
+                operation, encode = "text_completion", functools.partial(serving.encoder.prompt, prompt)
         except InvalidInput as err:
             return _error(400, str(err))
         ask = Request(
-            ask.operation,
-            ask.encode,
+            operation,
+            encode,
             options.sampling,
             max_tokens=options.max_tokens,
             stop=options.stop,
@@ -235,12 +234,8 @@ async def _sse(
     """The stream's server-sent events; a failure after the first chunk ends it with an error event.
     Leaving it early (the client went away) closes `events`, which cancels the request."""
     try:
-        for event in _chain_first(first):
-            yield _data(answer.chunk(event, logprobs=options.logprobs, first=True))
-            if isinstance(event, Finished):
-                answer.take(event, logprobs=False)
-        async for event in events:
-            yield _data(answer.chunk(event, logprobs=options.logprobs, first=False))
+        async for event in _after(first, events):
+            yield _data(answer.chunk(event, logprobs=options.logprobs))
             if isinstance(event, Finished):
                 answer.take(event, logprobs=False)
         if options.include_usage and answer.finished is not None:
@@ -253,8 +248,11 @@ async def _sse(
         await events.aclose()
 
 
-def _chain_first(first: Delta | Finished) -> Iterator[Delta | Finished]:
+async def _after(first: Delta | Finished, events: AsyncIterator[Delta | Finished]) -> AsyncIterator[Delta | Finished]:
+    """`first`, then the rest of `events`."""
     yield first
+    async for event in events:
+        yield event
 
 
 class BodyTooLarge(InvalidInput):

@@ -197,6 +197,7 @@ class Answer:
         self.logprobs: list[Json] = []
         self.finished: Finished | None = None
         self._streamed = 0  # characters of the answer streamed so far (the next chunk's text offset)
+        self._chunks = 0  # chunks streamed so far
 
     def take(self, event: Delta | Finished, *, logprobs: bool) -> None:
         if isinstance(event, Finished):
@@ -253,8 +254,10 @@ class Answer:
             "usage": self.usage(),
         }
 
-    def chunk(self, event: Delta | Finished, *, logprobs: bool, first: bool) -> Json:
-        """A streamed chunk for one event (the finish reason rides on the last one's)."""
+    def chunk(self, event: Delta | Finished, *, logprobs: bool) -> Json:
+        """A streamed chunk for one event (the finish reason rides on the last one's; the first
+        chat chunk carries the role)."""
+        first, self._chunks = self._chunks == 0, self._chunks + 1
         text = event.text if isinstance(event, Delta) else ""
         reason = event.reason if isinstance(event, Finished) else None
         entries = self._logprobs(event) if logprobs and isinstance(event, Delta) else []

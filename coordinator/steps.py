@@ -77,10 +77,6 @@ class PlannedStep:
     release: tuple[str, ...] = ()  # KV (by name) each stage frees before this step's work
     alone: bool = False  # no other step of the chain is in flight: a large one may take more cores
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.slices)
-
 
 @dataclass(frozen=True)
 class Outcome:

@@ -75,8 +75,8 @@ def test_prompts_and_messages() -> None:
 
 def test_streamed_completion_logprobs_offsets_run_on_across_chunks() -> None:
     answer = Answer(chat=False, model="m", request_id="cmpl-1", token_text=lambda t: {1: "ab", 2: "c", 3: "de"}[t])
-    first = answer.chunk(Delta("ab", (1,), ((-0.1, ()),)), logprobs=True, first=True)
-    second = answer.chunk(Delta("cde", (2, 3), ((-0.2, ()), (-0.3, ()))), logprobs=True, first=False)
+    first = answer.chunk(Delta("ab", (1,), ((-0.1, ()),)), logprobs=True)
+    second = answer.chunk(Delta("cde", (2, 3), ((-0.2, ()), (-0.3, ()))), logprobs=True)
     assert first["choices"][0]["logprobs"]["text_offset"] == [0]
     assert second["choices"][0]["logprobs"]["text_offset"] == [2, 3]
     answer.take(Finished("length", prompt_tokens=4, completion_tokens=3), logprobs=False)

@@ -17,6 +17,7 @@ import asyncio
 import itertools
 import statistics
 import time
+from typing import Any
 
 import openai
 
@@ -35,6 +36,18 @@ def _api_key(cluster: LocalCluster) -> str:
     return cluster.token or "none"  # the client insists on a key; a cluster without tokens ignores it
 
 
+def _greedy_stream(prompt: str, n: int) -> dict[str, Any]:
+    """A greedy streamed completion of `n` tokens whose last chunk carries the usage."""
+    return {
+        "model": "",
+        "prompt": prompt,
+        "max_tokens": n,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
 def http_single(cluster: LocalCluster, prompt: str, n: int) -> Stream:
     """One greedy streamed completion of `n` tokens, timed as `run.cluster_single` times gRPC's."""
     with openai.OpenAI(base_url=_base_url(cluster), api_key=_api_key(cluster), max_retries=0) as client:
@@ -44,14 +57,7 @@ def http_single(cluster: LocalCluster, prompt: str, n: int) -> Stream:
         start = time.perf_counter()
         arrivals: list[float] = []  # one per chunk with text
         tokens = 0
-        chunks = client.completions.create(
-            model="",
-            prompt=prompt,
-            max_tokens=n,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
+        chunks = client.completions.create(**_greedy_stream(prompt, n))
         for chunk in chunks:
             if chunk.choices and chunk.choices[0].text:
                 arrivals.append(time.perf_counter())
@@ -69,14 +75,7 @@ def http_aggregate(cluster: LocalCluster, prompt: str, streams: int, n: int) -> 
     """Tokens/s of `streams` greedy streamed completions at once, timed as `run.cluster_aggregate`."""
 
     async def one(client: openai.AsyncOpenAI) -> int:
-        chunks = await client.completions.create(
-            model="",
-            prompt=prompt,
-            max_tokens=n,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
+        chunks = await client.completions.create(**_greedy_stream(prompt, n))
         tokens = 0
         async for chunk in chunks:
             if chunk.usage is not None:
