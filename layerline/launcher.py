@@ -1,7 +1,8 @@
 """`layerline up`: a whole cluster on this machine, each worker and the coordinator its own process.
 
-Owns splitting the layers evenly into stages, dividing the CPU cores between co-located
-workers, the command line of the coordinator and of every stage worker (the same telemetry
+Owns splitting the layers into stages of equal work (the LM head's share measured on this
+machine by stage_worker/step_cost.py, in a process of its own), dividing the CPU cores between
+co-located workers, the command line of the coordinator and of every stage worker (the same telemetry
 flags for all, a metrics port each; ports fixed at the first start, so that a restart serves
 where its predecessor did), waiting until the coordinator reports every chain complete, and
 keeping the processes running until a signal. Starting, restarting and stopping them is the
@@ -11,6 +12,7 @@ supervisor's (`layerline.supervisor`). Imports neither torch nor the model code.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import secrets
 import signal
@@ -20,6 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from layerline.client import Client, ClusterStatus, LayerlineError
 from layerline.coordinator.settings import CoordinatorSettings
@@ -28,6 +31,9 @@ from layerline.shared.model_config import ModelConfig
 from layerline.shared.settings import format_size
 from layerline.stage_worker.settings import StageSettings
 from layerline.supervisor import Command, RestartPolicy, Supervisor
+
+SPLITS = ("measured", "weights")  # how `up` splits the layers without --layers (ClusterPlan.split)
+MEASURE_TIMEOUT_S = 300.0  # measuring a step's cost (a few seconds) never holds a start longer
 
 
 @dataclass(frozen=True)
@@ -41,7 +47,8 @@ class ClusterPlan:
     host: str = "127.0.0.1"
     kv_memory: str = format_size(StageSettings.kv_memory_bytes)  # per stage worker
     log_dir: Path | None = None  # where each process's log goes; default: a temp folder
-    layer_ranges: tuple[tuple[int, int], ...] | None = None  # explicit (uneven) split; default: even
+    layer_ranges: tuple[tuple[int, int], ...] | None = None  # explicit (uneven) split; default: by `split`
+    split: str = "measured"  # without layer_ranges: "measured" (step_cost.py) or "weights" (bytes of the head)
     coordinator_args: tuple[str, ...] = ()  # extra `layerline coordinator` flags
     stage_args: tuple[str, ...] = ()  # extra `layerline stage` flags, for every stage worker
     threads: int | None = None  # torch threads per stage worker; default: the cores shared out
@@ -75,6 +82,17 @@ def split_layers(num_layers: int, stages: int, *, head_weight: float = 0.0) -> l
     return list(itertools.pairwise(bounds))
 
 
+def measured_step_cost(checkpoint: Path, *, threads: int, dtype: str) -> dict[str, Any]:
+    """What a decode step's layer and LM head cost on this machine (stage_worker/step_cost.py's
+    StepCost as a dict), measured in a process of its own: the launcher never imports torch."""
+    argv = [sys.executable, "-m", "layerline.stage_worker.step_cost", "--model", str(checkpoint)]
+    argv += ["--threads", str(threads), "--dtype", dtype]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=MEASURE_TIMEOUT_S, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"measuring a step's cost failed: {done.stderr.strip()[-2000:]}")
+    return json.loads(done.stdout)
+
+
 def _first_token(path: str) -> str:
     """The first token of a tokens file (one per line; # starts a comment)."""
     lines = (line.strip() for line in Path(path).read_text().splitlines())
@@ -97,12 +115,26 @@ class LocalCluster:
         scheme = "https" if plan.tls else "http"
         self.http_url = f"{scheme}://{plan.host}:{self.http_port}/v1" if self.http_port is not None else None
         config = ModelConfig.from_checkpoint(checkpoint)
-        self.ranges = (
-            list(plan.layer_ranges)
-            if plan.layer_ranges
-            else split_layers(config.num_layers, plan.stages, head_weight=config.head_weight)
-        )
-        workers = len(self.ranges) * plan.replicas
+        if plan.split not in SPLITS:
+            raise ValueError(f"split {plan.split!r} is not one of {', '.join(SPLITS)}")
+        workers = (len(plan.layer_ranges) if plan.layer_ranges else plan.stages) * plan.replicas
+        self.threads = plan.threads or max(1, (os.cpu_count() or 1) // (workers * plan.tp))
+        # A chain's stages take turns on a lone stream or a single prompt: a step alone on its
+        # chain gets the cores of a chain.
+        self.chain_threads = plan.threads or max(self.threads, (os.cpu_count() or 1) // (plan.replicas * plan.tp))
+        self.head_weight = config.head_weight  # in layers, by the bytes of its weight, unless measured
+        self.split_note = ""  # how the split was chosen, for `up` to print
+        if plan.layer_ranges:
+            self.ranges = list(plan.layer_ranges)
+        else:
+            if plan.split == "measured" and 1 < plan.stages and config.num_layers >= 3:
+                cost = measured_step_cost(checkpoint, threads=self.threads, dtype=plan.dtype)
+                self.head_weight = cost["head_weight"]
+                self.split_note = (
+                    f"measured on {cost['threads']} thread(s), {cost['rows']} sequences a step: a layer "
+                    f"{cost['layer_ms']:.2f} ms, the LM head and sampling {self.head_weight:.1f} layers' worth"
+                )
+            self.ranges = split_layers(config.num_layers, plan.stages, head_weight=self.head_weight)
         if plan.metrics_port and plan.metrics_port + workers > 65535:
             raise ValueError(
                 f"--metrics-port {plan.metrics_port}: the {workers} stage workers need the ports "
@@ -151,10 +183,7 @@ class LocalCluster:
         p = self.plan
         if p.tls:
             self.certs = write_cluster_certs(self.log_dir / "tls", [p.host], force=True)
-        workers = len(self.ranges) * p.replicas
-        threads = p.threads or max(1, (os.cpu_count() or 1) // (workers * p.tp))
-        # A chain's stages take turns on a single prompt, so its chunks get the cores of a chain.
-        prefill_threads = p.threads or max(threads, (os.cpu_count() or 1) // (p.replicas * p.tp))
+        threads, prefill_threads = self.threads, self.chain_threads
         self._spawn(
             "coordinator",
             [

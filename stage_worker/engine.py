@@ -27,8 +27,7 @@ from .kv_cache import KVCacheExhausted, PagedKVCache
 from .llama import StageModel
 from .sampler import Draw, sample
 
-SMALL_STEP_TOKENS = 4  # steps of at most this many tokens run on one CPU thread
-LARGE_STEP_TOKENS = 64  # steps of this many tokens or more (prompt chunks) run on `prefill_threads`
+SMALL_STEP_TOKENS = 4  # a step of at most this many tokens alone on its stage may run inline (compute.py)
 
 
 class StepInputError(InvalidInput):
@@ -89,14 +88,11 @@ class StageEngine:
         self._chains: dict[str, str] = {}  # sequence id -> the chain it started on (one per held sequence)
         self.clock = clock  # seconds, only ever increasing: when steps touch sequences
         self._touched: dict[str, float] = {}  # held sequence id -> when a step last touched it
-        # On CPU a step of a few tokens is bound by memory bandwidth: one thread reads the weights
-        # as fast as several, and leaves the other cores to co-located processes.
+        # A step runs on this stage's share of the cores, and one alone on its chain on the
+        # cores of the whole chain: the chain's other stages wait for it meanwhile.
         self.max_threads = max_threads or torch.get_num_threads()
-        # A prompt's chunk is bound by arithmetic and may take more cores than decoding: on a
-        # machine shared by a chain's stages, the others mostly wait for it.
         self.prefill_threads = prefill_threads or self.max_threads
-        self._threads = torch.get_num_threads()
-        model.set_threads(self._threads)  # and again each time `_use_threads` changes it
+        model.set_threads(torch.get_num_threads())  # and again each time `_use_threads` changes it
 
     @property
     def is_first(self) -> bool:
@@ -141,7 +137,7 @@ class StageEngine:
     ) -> StepOutput:
         """Run one micro-batch. `hidden` is [sum of tokens, hidden_size] on later stages.
 
-        `alone`: no other step of the chain is in flight, so a large one may take `prefill_threads`.
+        `alone`: no other step of the chain is in flight, so this one may take `prefill_threads`.
         `chain`: the route the step came by; a sequence belongs to the chain it started on, and only
         steps of that chain continue it or copy its KV.
         A step that returns is counted in `steps_computed` and `compute_seconds` (the probe is not).
@@ -158,7 +154,7 @@ class StageEngine:
     ) -> StepOutput:
         with self._lock:
             if self.cache.device.type == "cpu":
-                self._use_threads(sum(s.num_tokens for s in seqs), alone=alone)
+                self._use_threads(alone=alone)
             try:
                 return self._run(seqs, hidden, chain)
             finally:
@@ -172,17 +168,16 @@ class StageEngine:
                 if sid in self.cache:
                     self._touched[sid] = now
 
-    def _use_threads(self, step_tokens: int, *, alone: bool) -> None:
-        if step_tokens <= SMALL_STEP_TOKENS:
-            wanted = 1
-        elif step_tokens >= LARGE_STEP_TOKENS and alone:
-            wanted = self.prefill_threads
-        else:
-            wanted = self.max_threads
-        if wanted != self._threads:
+    def _use_threads(self, *, alone: bool) -> None:
+        """Decoding a few tokens is bound by how fast the weights stream from memory, and on the
+        CPUs measured (an AVX-512 Xeon, an AVX2 EPYC) two threads stream them 1.5-1.8x as fast
+        as one: every step takes all the threads it may. torch's thread count belongs to the
+        calling thread (steps run on the compute thread or inline on the event loop), so it is
+        read there, not remembered."""
+        wanted = self.prefill_threads if alone else self.max_threads
+        if torch.get_num_threads() != wanted:
             torch.set_num_threads(wanted)
-            self.model.set_threads(wanted)
-            self._threads = wanted
+        self.model.set_threads(wanted)
 
     def _run(self, seqs: Sequence[SequenceStep], hidden: torch.Tensor | None, chain: str) -> StepOutput:
         self._check_step(seqs, hidden)

@@ -90,7 +90,7 @@ class StepLayout:
     @property
     def decode_only(self) -> bool:
         """Every sequence adds one token: the decode rows are all the rows, in order."""
-        return not self.prefills
+        return len(self.prefills) == 0
 
     def last_rows(self) -> torch.Tensor:
         """[B] the row of each sequence's last new token (the one that is sampled)."""

@@ -37,6 +37,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 == self.weight.dtype:  # one call, the same numbers (no casts)
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Normalized in float32, then cast, then scaled: the order transformers uses.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
@@ -69,9 +71,11 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return inv_freq
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
+def swap_halves(x: torch.Tensor) -> torch.Tensor:
+    """The two halves of the last dimension swapped: transformers' `rotate_half` without its
+    negation, which `StageModel.rope` folds into the sine once per step instead of once per layer."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return torch.cat((x[..., half:], x[..., :half]), dim=-1)
 
 
 class Attention(nn.Module):
@@ -103,7 +107,7 @@ class Attention(nn.Module):
         t, h, kvh = x.shape[0], self.heads_per_rank, self.kv_heads_per_rank
         qkv = self.qkv_proj(x).view(t, h + 2 * kvh, self.head_dim)  # [T, h + 2 kvh, d]
         qk, v = qkv.split([h + kvh, kvh], dim=1)
-        qk = qk * cos + rotate_half(qk) * sin  # rotary on q and k at once: [T, h + kvh, d]
+        qk = qk * cos + swap_halves(qk) * sin  # rotary on q and k at once (sin signed): [T, h + kvh, d]
         q, k = qk.split([h, kvh], dim=1)  # q [T, h, d]; k, v [T, kvh, d]
         k_pool.index_copy_(0, layout.write_slots, k)
         v_pool.index_copy_(0, layout.write_slots, v)
@@ -265,10 +269,16 @@ class StageModel(nn.Module):
         self.step_threads.count = threads
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin, each [T, 1, head_dim], computed in float32 then cast."""
+        """cos and the signed sin, each [T, 1, head_dim], computed in float32 then cast.
+
+        The sine's first half is negated: rotary is then `x * cos + swap_halves(x) * sin`, the
+        same numbers as transformers' `x * cos + rotate_half(x) * sin` (a product's sign is exact).
+        """
         freqs = positions.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]  # [T, d/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, d]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = freqs.cos(), freqs.sin()
+        cos = torch.cat((cos, cos), dim=-1)[:, None, :]  # [T, 1, d]
+        sin = torch.cat((-sin, sin), dim=-1)[:, None, :]
+        return cos.to(dtype), sin.to(dtype)
 
     def forward(
         self,

@@ -36,7 +36,7 @@ class StageSettings:
     max_sequences: int = 1024  # sequences in one step
     max_step_tokens: int = 8192  # tokens in one step
     threads: int | None = None  # torch CPU threads; default: all cores
-    prefill_threads: int | None = None  # threads for steps of 64 tokens or more; default: `threads`
+    prefill_threads: int | None = None  # threads for a step alone on its chain; default: `threads`
     grace_seconds: float = 5.0  # how long SIGTERM waits for in-flight calls
     tp: int = 1  # tensor-parallel ranks of this stage, on this node
     tp_timeout: float = 10.0  # a collective waiting longer than this fails the stage (seconds)

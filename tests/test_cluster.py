@@ -264,7 +264,8 @@ def test_cluster_status_lists_workers_and_the_chain(cluster):
         status = client.cluster()
         assert client.health() == "SERVING"
         models = client.models()
-    assert sorted(w.layers for w in status.workers) == [(0, 19), (19, 30)]
+    assert sorted(w.layers for w in status.workers) == cluster.ranges  # as measured: the last stage has fewer
+    assert cluster.ranges[0][1] > 15 and cluster.split_note.startswith("measured on 1 thread(s)")
     assert all(w.state == "SERVING" and w.replica == 0 for w in status.workers)
     assert len(status.chains) == 1 and len(status.chains[0].addresses) == 2
     assert [(m.num_layers, m.ready_replicas) for m in models] == [(30, 1)]

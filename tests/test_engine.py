@@ -167,16 +167,16 @@ def test_a_bad_prefix_fails_only_its_sequence(ckpt, step, message):
     assert first.cache.blocks_free >= free - 1
 
 
-def test_a_large_step_alone_on_its_chain_takes_the_prefill_threads(ckpt):
+def test_a_step_alone_on_its_chain_takes_the_prefill_threads(ckpt):
     e = engine(ckpt, LayerRange(0, 2), num_blocks=128)
     e.max_threads, e.prefill_threads = 1, 2
     before = torch.get_num_threads()
     try:
         seen = []
-        for sid, n, alone in (("a", 64, True), ("b", 64, False), ("c", 4, True), ("d", 16, True)):
+        for sid, n, alone in (("a", 64, True), ("b", 64, False), ("c", 1, True), ("d", 1, False), ("e", 16, True)):
             e.run([SequenceStep(sid, tuple(range(n)), tuple(range(1, n + 1)))], alone=alone)
-            seen.append(torch.get_num_threads())
-        assert seen == [2, 1, 1, 1]  # 64 tokens alone; not alone; a few tokens; below 64
+            seen.append((torch.get_num_threads(), e.model.step_threads.count))
+        assert seen == [(2, 2), (1, 1), (2, 2), (1, 1), (2, 2)]  # alone: the chain's threads, whatever its size
     finally:
         torch.set_num_threads(before)
 

@@ -8,10 +8,11 @@ machine with none of layerline's own work in it: no scheduler, KV cache, attenti
 checks or telemetry, only grpc.aio messages and the weights' matmuls.
 
 A relay stage is a grpc.aio server. Its step runs each of its layers' matmuls (fused qkv, o,
-fused gate/up, down, with SiLU) on random float32 weights, on one torch thread, inline on the
-event loop as layerline's stages run a lone token. It sends the hidden state, encoded by the
-codec, to the next stage; the last stage applies the LM head and answers the argmax token on a
-Results stream, as layerline's last stage answers the coordinator. Weights are seeded by layer
+fused gate/up, down, with SiLU) on random float32 weights, on the torch threads a lone stream's
+steps take (`threads`), inline on the event loop as layerline's stages run a lone token. It
+sends the hidden state, encoded by the codec, to the next stage; the last stage applies the LM
+head and answers the argmax token on a Results stream, as layerline's last stage answers the
+coordinator. Weights are seeded by layer
 index, so both relays compute the same function and return the same tokens.
 
 Knows a model by its config's shapes only: no checkpoint, tokenizer or coordinator.
@@ -69,13 +70,15 @@ class Shapes:
         )
 
 
-async def _serve_stage(port: int, shapes: Shapes, start: int, end: int, next_address: str | None) -> None:
+async def _serve_stage(
+    port: int, shapes: Shapes, start: int, end: int, next_address: str | None, *, threads: int = 1
+) -> None:
     import torch
 
     from layerline.protos.v1 import tensor_pb2
     from layerline.stage_worker.codec import CodecLimits, decode, encode
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     F = torch.nn.functional
     h, i = shapes.hidden_size, shapes.intermediate_size
 
@@ -204,6 +207,7 @@ class HopFloor:
     layer_ranges: list[tuple[int, int]]  # of the two stages
     rounds: int
     tokens: int  # per stream and round
+    threads: int = 1  # each relay stage's torch threads
 
 
 def measure_hop_floor(
@@ -212,11 +216,17 @@ def measure_hop_floor(
     rounds: int = 5,
     tokens: int = 64,
     port: int = 7190,
+    ranges: list[tuple[int, int]] | None = None,
+    threads: int = 1,
     log: Callable[[str], None] = lambda _: None,
 ) -> HopFloor:
-    """Start the relays (ports `port`..`port + 2`), measure, stop them; raise if their tokens differ."""
+    """Start the relays (ports `port`..`port + 2`), measure, stop them; raise if their tokens differ.
+
+    `ranges`: the 2-stage relay's split (default: `split_layers` by the bytes of the head);
+    `threads`: each relay stage's torch threads, as a lone stream's steps take them.
+    """
     shapes = Shapes.of(config)
-    ranges = split_layers(shapes.num_layers, 2, head_weight=config.head_weight)
+    ranges = ranges or split_layers(shapes.num_layers, 2, head_weight=config.head_weight)
     plan = [
         (port, 0, shapes.num_layers, None),
         (port + 1, *ranges[0], f"127.0.0.1:{port + 2}"),
@@ -234,6 +244,8 @@ def measure_hop_floor(
                 f"{a}:{b}",
                 "--shapes",
                 json.dumps(asdict(shapes)),
+                "--threads",
+                str(threads),
                 *(["--next", n] if n else []),
             ]
         )
@@ -249,7 +261,7 @@ def measure_hop_floor(
         for proc in procs:
             proc.wait(timeout=30)
     a, b = statistics.median(one), statistics.median(two)
-    return HopFloor(a, b, b - a, ranges, rounds, tokens)
+    return HopFloor(a, b, b - a, ranges, rounds, tokens, threads)
 
 
 def _wait_listening(proc: subprocess.Popen[bytes], port: int) -> None:
@@ -279,9 +291,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", required=True, metavar="START:END")
     parser.add_argument("--shapes", required=True, metavar="JSON")
     parser.add_argument("--next", metavar="ADDR", help="the next stage; none on the last")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
     args = parser.parse_args(argv)
     start, end = (int(v) for v in args.layers.split(":"))
-    asyncio.run(_serve_stage(args.port, Shapes(**json.loads(args.shapes)), start, end, args.next))
+    asyncio.run(_serve_stage(args.port, Shapes(**json.loads(args.shapes)), start, end, args.next, threads=args.threads))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import sys
 from layerline.client import Client, LayerlineError
 from layerline.client.retry import DEFAULT_RETRIES
 from layerline.coordinator.settings import CoordinatorSettings
-from layerline.launcher import ClusterPlan, LocalCluster
+from layerline.launcher import SPLITS, ClusterPlan, LocalCluster
 from layerline.shared.settings import DTYPES
 from layerline.supervisor import CrashLoop, RestartPolicy
 
@@ -54,6 +54,14 @@ def _cluster_flags(p: argparse.ArgumentParser) -> None:
         default=plan.stages,
         metavar="P",
         help=f"pipeline stages per chain (default: {plan.stages})",
+    )
+    p.add_argument(
+        "--split",
+        default=plan.split,
+        choices=SPLITS,
+        help="where the stages' layers are cut: 'measured' times a decode step's layer and LM head on "
+        "this machine first (a few seconds) and gives every stage equal work; 'weights' weighs the head "
+        f"by the bytes of its weight (default: {plan.split})",
     )
     p.add_argument(
         "--replicas",
@@ -124,14 +132,17 @@ def _start_cluster(args: argparse.Namespace, *, restarts: RestartPolicy = Cluste
             admin_tokens=args.admin_tokens,
             restarts=restarts,
             http_port=args.http_port,
+            split=args.split,
         )
-        cluster = LocalCluster(plan, checkpoint)  # checks the split before anything starts
+        cluster = LocalCluster(plan, checkpoint)  # checks (and with --split measured, measures) the split first
     print(
         f"starting {args.replicas} x {args.stages} stage workers of {args.tp} rank(s) and a coordinator "
         f"(logs in {cluster.log_dir}) ...",
         file=sys.stderr,
         flush=True,
     )
+    if cluster.split_note:
+        print(f"  layers {', '.join(f'{a}:{b}' for a, b in cluster.ranges)}: {cluster.split_note}", file=sys.stderr)
     signal.signal(signal.SIGTERM, _interrupted)  # while starting, SIGTERM stops what started, as Ctrl-C does
     try:
         cluster.start()

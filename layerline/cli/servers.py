@@ -132,10 +132,9 @@ def add_stage_commands(commands: Subcommands) -> None:
         "--prefill-threads",
         type=int,
         metavar="N",
-        help="torch CPU threads for a step of 64 tokens or more (a prompt's chunk) sent "
-        "while no other step of its chain was in flight: the chain's other stages "
-        "wait meanwhile, so `layerline up` gives it the cores of a whole chain "
-        "(default: --threads)",
+        help="torch CPU threads for a step sent while no other step of its chain was in flight "
+        "(a lone stream's token, or a prompt's chunk): the chain's other stages wait meanwhile, "
+        "so `layerline up` gives it the cores of a whole chain (default: --threads)",
     )
     stage.add_argument(
         "--tp",
