@@ -89,6 +89,7 @@ class StageWorker:
             config=self.config,
             tp=tp,
             weight_layout=self.settings.weight_layout,
+            quantize=self.settings.quantize,
         )
         shape = CacheShape.for_budget(
             self.settings.kv_memory_bytes,

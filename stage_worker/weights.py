@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from layerline.shared.model_config import ConfigError, LayerRange, ModelConfig
 
-from .layouts import apply_layouts, check_weight_layout
+from .layouts import apply_layouts, check_quantize, check_weight_layout
 from .llama import StageModel, rope_inv_freq
 from .parallel import SINGLE_RANK, TensorParallel
 from .sharding import ZEROS, Piece, piece_for
@@ -109,14 +109,17 @@ def load_stage(
     reader: CheckpointReader | None = None,
     tp: TensorParallel = SINGLE_RANK,
     weight_layout: str = "both",
+    quantize: str = "none",
 ) -> StageModel:
     """Build the `StageModel` of `layers`, reading only the tensors it owns.
 
     Under tensor parallelism (`tp.size > 1`) each rank reads only its own slice of each tensor
     (sliced reads from the file, never the whole tensor then cut). `weight_layout` says
-    whether float32 linear layers on CPU are also, or only, kept packed for oneDNN (layouts.py).
+    whether float32 linear layers on CPU are also, or only, kept packed for oneDNN (layouts.py);
+    `quantize` ("int8", "int4") makes the linear layers and the LM head quantized instead.
     """
     check_weight_layout(weight_layout)
+    check_quantize(quantize)
     config = config or ModelConfig.from_checkpoint(checkpoint)
     layers.check(config.num_layers)
     reader = reader or CheckpointReader(checkpoint)
@@ -126,7 +129,7 @@ def load_stage(
     model.load_state_dict(_fused(state, layers), strict=True, assign=True)
     del state  # the model now holds the only references, so layouts can free each plain weight
     model.inv_freq = rope_inv_freq(config.rope, config.head_dim).to(device)
-    apply_layouts(model, weight_layout=weight_layout, dtype=dtype, device=device)
+    apply_layouts(model, weight_layout=weight_layout, dtype=dtype, device=device, quantize=quantize)
     model.set_threads(torch.get_num_threads())  # until the engine decides per step
     return model.eval()
 
