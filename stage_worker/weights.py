@@ -209,8 +209,10 @@ def _fused(state: dict[str, torch.Tensor], layers: LayerRange) -> dict[str, torc
     return state
 
 
-def model_id(checkpoint: str | Path) -> str:
-    """A digest of the config and of every tensor's name, dtype and shape (not its bytes)."""
+def model_id(checkpoint: str | Path, *, quantize: str = "none") -> str:
+    """A digest of the config and of every tensor's name, dtype and shape (not its bytes), and of
+    the `quantize` scheme unless "none": quantized weights are other weights, so the coordinator
+    never chains them with float ones, and a failover never moves a sequence between the two."""
     root = Path(checkpoint)
     config = json.loads((root / "config.json").read_text())
     config.pop("transformers_version", None)
@@ -223,6 +225,8 @@ def model_id(checkpoint: str | Path) -> str:
                 stored = tensors.get_slice(name)
                 headers[name] = [stored.get_dtype(), stored.get_shape()]  # e.g. ["BF16", [576, 1536]]
     digest.update(json.dumps(headers, sort_keys=True).encode())
+    if quantize != "none":
+        digest.update(f"quantize={quantize}".encode())
     return digest.hexdigest()[:16]
 
 

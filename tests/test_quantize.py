@@ -168,6 +168,17 @@ def test_stage_weights_bytes_shrink_by_the_expected_amount(tiny64, scheme):
     assert sizes["none"] - sizes[scheme] == saved
 
 
+def test_quantized_stages_advertise_a_model_id_of_their_own(tiny64):
+    """The coordinator chains only workers of one model id: never a quantized stage with a float
+    one, nor int8 with int4."""
+    from layerline.stage_worker.weights import model_id
+
+    path, _ = tiny64
+    ids = {scheme: model_id(path, quantize=scheme) for scheme in ("none", "int8", "int4")}
+    assert len(set(ids.values())) == 3
+    assert ids["none"] == model_id(path) and ids["int8"] == model_id(path, quantize="int8")
+
+
 def test_bad_quantize_values_are_refused(tmp_path):
     with pytest.raises(ValueError, match="--quantize 'int3' is not one of none, int8, int4"):
         StageSettings(model="m", layers="0:1", quantize="int3")
