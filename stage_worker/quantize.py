@@ -9,9 +9,10 @@
 Activations enter both kernels as bfloat16 and the result is cast back to the model's dtype:
 on CPU these kernels are vectorized (AVX-512, AVX2) only for bfloat16 and float16 inputs, and
 float16 runs the scalar loop of the int8 one. Measured on an Intel Xeon with AVX-512 (one
-thread, SmolLM2-135M's shapes), a float32 input makes the int8 kernel 6-9x and the int4 one
-13-20x slower than a float32 matmul; in bfloat16 one row is 1.5x (int8) and 2x (int4) faster,
-32 rows 2x and 1.5x slower. The CUDA int4 kernel takes bfloat16 only.
+thread, the 121 products of one token of SmolLM2-135M), a float32 input makes the int8 kernel
+6x (one row) to 70x (32 rows) and the int4 one 13x to 140x slower than float32 matmuls; in
+bfloat16 one row is 1.5x (int8) and 2x (int4) faster, 32 rows 2x and 1.6x slower. The CUDA
+int4 kernel takes bfloat16 only.
 
 `Int8Embedding` keeps the token embedding in int8 as well (a lookup, no kernel).
 
