@@ -70,11 +70,12 @@ def add_quantize_flag(p: argparse.ArgumentParser) -> None:
         "--quantize",
         default=StageSettings.quantize,
         choices=QUANTIZE,
-        help="store the linear layers' weights quantized at load: 'int8' (one scale per output "
-        "channel) or 'int4' (a scale and offset per 32 inputs; the LM head int8), about 1/4 or 1/6 "
-        "of their float32 bytes; the embedding and norms stay in --dtype. Activations enter the "
-        "kernels in bfloat16. On CPU one row (a lone stream's token) runs faster, many rows slower "
-        f"than float32 (README: Quantized weights) (default: {StageSettings.quantize})",
+        help="store the weights quantized at load: the linear layers 'int8' (one scale per output "
+        "channel) or 'int4' (a scale and offset per 32 inputs), the LM head and token embedding int8 "
+        "under both; about 1/4 or 1/5 of float32's bytes. The norms stay in --dtype, and "
+        "--weight-layout has no effect. Activations enter the kernels in bfloat16. On CPU one row (a "
+        "lone stream's token) runs faster, many rows slower than float32 (README: Quantized weights) "
+        f"(default: {StageSettings.quantize})",
     )
 
 
