@@ -43,6 +43,7 @@ class ClusterPlan:
     replicas: int = 1  # chains side by side
     tp: int = 1  # tensor-parallel ranks per stage
     dtype: str = StageSettings.dtype  # every stage worker's --dtype
+    quantize: str = StageSettings.quantize  # every stage worker's --quantize
     port: int = CoordinatorSettings.port  # coordinator port
     host: str = "127.0.0.1"
     kv_memory: str = format_size(StageSettings.kv_memory_bytes)  # per stage worker
@@ -222,6 +223,8 @@ class LocalCluster:
                     *self._tls_args("stage"),
                     "--dtype",
                     p.dtype,
+                    "--quantize",
+                    p.quantize,
                     "--threads",
                     str(threads),
                     "--prefill-threads",

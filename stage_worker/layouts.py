@@ -11,6 +11,10 @@ of the same weight that is faster on CPU (each class below says what it measured
 - then, where oneDNN serves the dtype (`can_pack`) and the weight layout is not `plain`,
   `pack_linears` wraps each of them in a `PackedLinear`.
 
+Under `--quantize int8 | int4` every linear layer, the LM head and the token embedding become
+instead the quantized layers of quantize.py (its kernels take the [out, in] weight), never
+packed; see `quantize_linears`.
+
 Layers are converted one at a time and each drops the weight it replaces, so converting holds
 one extra tensor at a time beyond what the model keeps.
 
@@ -24,8 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .llama import DecoderLayer, StageModel, StepThreads
-from .settings import WEIGHT_LAYOUTS  # see PackedLinear; the stage's --weight-layout
+from .llama import DecoderLayer, StageModel, StepThreads, VocabParallelEmbedding
+from .quantize import Int8Embedding, QuantizeError, quantized
+from .settings import QUANTIZE, WEIGHT_LAYOUTS  # see PackedLinear; the stage's --weight-layout, --quantize
 
 MANY_ROWS = 16  # from this many rows on, a matmul is worth computing as (W x^T)^T (see below)
 HEAD_BLOCKS = (8, 4, 2, 1)  # the LM head's blocks: the first of these that divides the vocabulary
@@ -190,15 +195,31 @@ def check_weight_layout(weight_layout: str) -> None:
         raise ValueError(f"weight layout {weight_layout!r} is not one of {', '.join(WEIGHT_LAYOUTS)}")
 
 
+def check_quantize(quantize: str) -> None:
+    """ValueError naming the choices unless `quantize` is one of QUANTIZE."""
+    if quantize not in QUANTIZE:
+        raise ValueError(f"quantize {quantize!r} is not one of {', '.join(QUANTIZE)}")
+
+
 def apply_layouts(
-    model: StageModel, *, weight_layout: str, dtype: torch.dtype, device: torch.device | str
+    model: StageModel,
+    *,
+    weight_layout: str,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    quantize: str = "none",
 ) -> StageModel:
     """Replace the plain linear layers of a loaded `model` by the layouts above, in place.
 
     `weight_layout` (the stage's --weight-layout) says whether the linear layers are also, or
     only, kept packed for oneDNN where `can_pack(dtype, device)`; see `PackedLinear`.
+    `quantize` (the stage's --quantize) other than "none" makes them quantized instead.
     """
     check_weight_layout(weight_layout)
+    check_quantize(quantize)
+    if quantize != "none":
+        quantize_linears(model, scheme=quantize)
+        return model
     for layer in model.layers.values():
         assert isinstance(layer, DecoderLayer), layer
         attn, mlp = layer.self_attn, layer.mlp
@@ -225,3 +246,32 @@ def pack_linears(model: nn.Module, *, keep_plain: bool) -> None:
     ]
     for owner, name in slots:
         setattr(owner, name, PackedLinear(getattr(owner, name), keep_plain=keep_plain))
+
+
+def quantize_linears(model: StageModel, *, scheme: str) -> None:
+    """Replace every linear layer and the LM head of a loaded `model` by its quantized layer,
+    and the token embedding by its int8 rows (`Int8Embedding`, under int4 too).
+
+    Under int4 the LM head is int8: its error goes straight into the logits. On SmolLM2-135M
+    (8 prompts, 32 greedy tokens each, teacher-forced) an int4 head let the argmax agree with
+    float32 at 90% of positions, an int8 one at 98% (the embedding float32 in both), for 14 MB more.
+    """
+    slots = [
+        (path, owner, name)
+        for path, owner in model.named_modules()
+        for name, child in owner.named_children()
+        if isinstance(child, nn.Linear)
+    ]
+    for path, owner, name in slots:  # each assignment drops the float weight it replaces
+        plain = getattr(owner, name)
+        of = "int8" if plain is model.lm_head else scheme
+        try:
+            setattr(owner, name, quantized(plain.weight, plain.bias, scheme=of))
+        except QuantizeError as e:
+            raise QuantizeError(
+                f"--quantize {of}: {f'{path}.' if path else ''}{name} [out {plain.out_features}, "
+                f"in {plain.in_features}]: {e}"
+            ) from None
+    if isinstance(model.embed_tokens, VocabParallelEmbedding):
+        embed = model.embed_tokens
+        model.embed_tokens = Int8Embedding(embed.weight, start=embed.start, tp=embed.tp)  # type: ignore[assignment]

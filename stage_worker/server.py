@@ -65,7 +65,7 @@ class StageWorker:
         self.config = ModelConfig.from_checkpoint(self.checkpoint)
         self.layers = LayerRange.parse(settings.layers, num_layers=self.config.num_layers)
         self.dtype = TORCH_DTYPES[settings.dtype]
-        self.model_id = model_id(self.checkpoint)
+        self.model_id = model_id(self.checkpoint, quantize=settings.quantize)
         self.instance_id = uuid.uuid4().hex
         self.address = ""
         self.state = common_pb2.WORKER_STATE_STARTING
@@ -89,6 +89,7 @@ class StageWorker:
             config=self.config,
             tp=tp,
             weight_layout=self.settings.weight_layout,
+            quantize=self.settings.quantize,
         )
         shape = CacheShape.for_budget(
             self.settings.kv_memory_bytes,
@@ -101,13 +102,15 @@ class StageWorker:
         cache = PagedKVCache(shape, layer_ids=self.layers, dtype=self.dtype, device=self.settings.device)
         params = sum(p.numel() for p in model.parameters())
         log.info(
-            "rank %d/%d loaded layers %s of %s (%s params, %s, %s) in %.1fs; KV pool %d blocks x %d tokens",
+            "rank %d/%d loaded layers %s of %s (%s params, %s, quantize %s, %s) in %.1fs; "
+            "KV pool %d blocks x %d tokens",
             tp.rank,
             tp.size,
             self.layers,
             self.checkpoint,
             f"{params:,}",
             self.settings.dtype,
+            self.settings.quantize,
             self.settings.device,
             time.perf_counter() - start,
             shape.num_blocks,

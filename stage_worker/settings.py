@@ -15,6 +15,8 @@ from layerline.shared.settings import DEFAULT_MAX_MESSAGE_BYTES, DTYPES, Telemet
 
 # float32 on CPU: linear weights both plain and packed for oneDNN, or one of them (stage_worker/layouts.py)
 WEIGHT_LAYOUTS = ("both", "packed", "plain")
+# linear layers and LM head: the checkpoint's dtype, or weight-only int8 / int4 (stage_worker/quantize.py)
+QUANTIZE = ("none", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,7 @@ class StageSettings:
     kv_memory_bytes: int = 256 << 20  # budget of the preallocated KV block pool
     kv_block_size: int = 16  # tokens per KV block
     weight_layout: str = "both"  # one of WEIGHT_LAYOUTS (see stage_worker/layouts.py)
+    quantize: str = "none"  # one of QUANTIZE: the linear layers' and LM head's weights (stage_worker/quantize.py)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # gRPC message limit; larger tensors are chunked
     max_tensor_bytes: int = 1 << 30  # largest hidden-state tensor accepted in one step
     max_in_flight: int = 16  # steps per upstream stream received and not yet answered
@@ -51,6 +54,8 @@ class StageSettings:
             raise ValueError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.weight_layout not in WEIGHT_LAYOUTS:
             raise ValueError(f"--weight-layout {self.weight_layout!r} is not one of {', '.join(WEIGHT_LAYOUTS)}")
+        if self.quantize not in QUANTIZE:
+            raise ValueError(f"--quantize {self.quantize!r} is not one of {', '.join(QUANTIZE)}")
         if self.max_concurrent_rpcs < 1:
             raise ValueError(f"--max-concurrent-rpcs {self.max_concurrent_rpcs} must be at least 1")
         if not 0 <= self.orphan_ttl < math.inf:  # NaN fails too

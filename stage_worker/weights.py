@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from layerline.shared.model_config import ConfigError, LayerRange, ModelConfig
 
-from .layouts import apply_layouts, check_weight_layout
+from .layouts import apply_layouts, check_quantize, check_weight_layout
 from .llama import StageModel, rope_inv_freq
 from .parallel import SINGLE_RANK, TensorParallel
 from .sharding import ZEROS, Piece, piece_for
@@ -109,14 +109,17 @@ def load_stage(
     reader: CheckpointReader | None = None,
     tp: TensorParallel = SINGLE_RANK,
     weight_layout: str = "both",
+    quantize: str = "none",
 ) -> StageModel:
     """Build the `StageModel` of `layers`, reading only the tensors it owns.
 
     Under tensor parallelism (`tp.size > 1`) each rank reads only its own slice of each tensor
     (sliced reads from the file, never the whole tensor then cut). `weight_layout` says
-    whether float32 linear layers on CPU are also, or only, kept packed for oneDNN (layouts.py).
+    whether float32 linear layers on CPU are also, or only, kept packed for oneDNN (layouts.py);
+    `quantize` ("int8", "int4") makes the linear layers and the LM head quantized instead.
     """
     check_weight_layout(weight_layout)
+    check_quantize(quantize)
     config = config or ModelConfig.from_checkpoint(checkpoint)
     layers.check(config.num_layers)
     reader = reader or CheckpointReader(checkpoint)
@@ -126,7 +129,7 @@ def load_stage(
     model.load_state_dict(_fused(state, layers), strict=True, assign=True)
     del state  # the model now holds the only references, so layouts can free each plain weight
     model.inv_freq = rope_inv_freq(config.rope, config.head_dim).to(device)
-    apply_layouts(model, weight_layout=weight_layout, dtype=dtype, device=device)
+    apply_layouts(model, weight_layout=weight_layout, dtype=dtype, device=device, quantize=quantize)
     model.set_threads(torch.get_num_threads())  # until the engine decides per step
     return model.eval()
 
@@ -206,8 +209,10 @@ def _fused(state: dict[str, torch.Tensor], layers: LayerRange) -> dict[str, torc
     return state
 
 
-def model_id(checkpoint: str | Path) -> str:
-    """A digest of the config and of every tensor's name, dtype and shape (not its bytes)."""
+def model_id(checkpoint: str | Path, *, quantize: str = "none") -> str:
+    """A digest of the config and of every tensor's name, dtype and shape (not its bytes), and of
+    the `quantize` scheme unless "none": quantized weights are other weights, so the coordinator
+    never chains them with float ones, and a failover never moves a sequence between the two."""
     root = Path(checkpoint)
     config = json.loads((root / "config.json").read_text())
     config.pop("transformers_version", None)
@@ -220,6 +225,8 @@ def model_id(checkpoint: str | Path) -> str:
                 stored = tensors.get_slice(name)
                 headers[name] = [stored.get_dtype(), stored.get_shape()]  # e.g. ["BF16", [576, 1536]]
     digest.update(json.dumps(headers, sort_keys=True).encode())
+    if quantize != "none":
+        digest.update(f"quantize={quantize}".encode())
     return digest.hexdigest()[:16]
 
 

@@ -51,6 +51,7 @@ def make_tiny_checkpoint(
     hidden_size: int = 48,
     seed: int = 0,
     max_shard_size: str | None = None,
+    intermediate_size: int | None = None,
 ):
     """Write a random tiny model of `family` to `out` and return the transformers model."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -59,6 +60,8 @@ def make_tiny_checkpoint(
     model_type = spec.pop("model_type")
     if spec.get("head_dim") is None:
         spec["head_dim"] = hidden_size // spec["num_attention_heads"]
+    if intermediate_size is not None:
+        spec["intermediate_size"] = intermediate_size
     spec.setdefault("intermediate_size", 2 * hidden_size + 8)
     config = AutoConfig.for_model(
         model_type,

@@ -210,6 +210,7 @@ def add_bench_commands(commands: Subcommands) -> None:
     )
     links.set_defaults(handler=_run_bench_links)
     _add_chaos(studies)
+    _add_quantize(studies)
     routing = studies.add_parser(
         "routing",
         help="cache-aware routing against load-only: prefix-cache hit rate and median first token",
@@ -230,6 +231,59 @@ def add_bench_commands(commands: Subcommands) -> None:
     )
     routing.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the figures here")
     routing.set_defaults(handler=_run_bench_routing)
+
+
+def _run_bench_quantize(args: argparse.Namespace) -> int:
+    import json
+
+    from layerline.bench.quantize import run_quantize_bench
+    from layerline.model_store import ModelStoreError, resolve_model
+
+    with reported_as_errors(ModelStoreError):
+        checkpoint = resolve_model(args.model)
+    result = run_quantize_bench(
+        checkpoint,
+        threads=args.threads,
+        new_tokens=args.new_tokens,
+        rounds=args.rounds,
+        log=lambda m: print(f"[quantize] {m}", file=sys.stderr, flush=True),
+    )
+    text = json.dumps(result.to_dict(), indent=2)
+    print(text)
+    if args.json is not None:
+        args.json.write_text(text + "\n")
+    return 0
+
+
+def _add_quantize(studies: Subcommands) -> None:
+    quantize = studies.add_parser(
+        "quantize",
+        help="float32 against --quantize int8 and int4: weight bytes, decode speed, accuracy",
+        description="Load the model as one stage three times (float32, int8, int4) in this process and "
+        "measure, in interleaved rounds: the bytes of the weights each holds, decode tokens/s of one "
+        "stream and of 32 streams (the model's forward with its KV cache, no gRPC), the share of "
+        "positions where each one's argmax agrees with float32's greedy token (8 held prompts x 32 "
+        "tokens, teacher-forced) and the perplexity of a held paragraph. Prints JSON with the ratios "
+        "to float32.",
+        formatter_class=HelpFormatter,
+    )
+    quantize.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        metavar="M",
+        help="checkpoint directory or known name (default: smollm2-135m-instruct)",
+    )
+    quantize.add_argument(
+        "--threads", type=_positive(int), default=1, metavar="N", help="torch CPU threads (default: 1)"
+    )
+    quantize.add_argument(
+        "--new-tokens", type=_positive(int), default=32, metavar="N", help="tokens per stream (default: 32)"
+    )
+    quantize.add_argument(
+        "--rounds", type=_positive(int), default=3, metavar="N", help="medians of N rounds (default: 3)"
+    )
+    quantize.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the figures here")
+    quantize.set_defaults(handler=_run_bench_quantize)
 
 
 def _add_chaos(studies: Subcommands) -> None:

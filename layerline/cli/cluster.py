@@ -13,6 +13,7 @@ from layerline.launcher import SPLITS, ClusterPlan, LocalCluster
 from layerline.shared.settings import DTYPES
 from layerline.supervisor import CrashLoop, RestartPolicy
 
+from .servers import add_quantize_flag
 from .support import (
     CA_VARIABLE,
     TOKEN_VARIABLE,
@@ -46,6 +47,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 
 def _cluster_flags(p: argparse.ArgumentParser) -> None:
     add_model_flags(p)
+    add_quantize_flag(p)
     http_port_flag(p)
     plan = ClusterPlan
     p.add_argument(
@@ -121,6 +123,7 @@ def _start_cluster(args: argparse.Namespace, *, restarts: RestartPolicy = Cluste
             replicas=args.replicas,
             tp=args.tp,
             dtype=args.dtype,
+            quantize=args.quantize,
             port=args.port,
             kv_memory=args.kv_memory,
             trace=args.trace,

@@ -7,7 +7,7 @@ import os
 
 from layerline.coordinator.settings import CoordinatorSettings
 from layerline.shared.settings import DTYPES, format_size, parse_size
-from layerline.stage_worker.settings import WEIGHT_LAYOUTS, StageSettings
+from layerline.stage_worker.settings import QUANTIZE, WEIGHT_LAYOUTS, StageSettings
 
 from .support import (
     HelpFormatter,
@@ -43,6 +43,7 @@ def _run_stage(args: argparse.Namespace) -> int:
             kv_memory_bytes=parse_size(args.kv_memory),
             kv_block_size=args.kv_block_size,
             weight_layout=args.weight_layout,
+            quantize=args.quantize,
             max_message_bytes=parse_size(args.max_message_size),
             threads=args.threads,
             prefill_threads=args.prefill_threads,
@@ -61,6 +62,21 @@ def _run_stage(args: argparse.Namespace) -> int:
 
     with reported_as_errors(ConfigError, CheckpointError, ModelStoreError, ValueError, OSError):
         return run_stage(settings)
+
+
+def add_quantize_flag(p: argparse.ArgumentParser) -> None:
+    """`--quantize`, the same for `layerline stage` and for the stage workers of `up` and `run`."""
+    p.add_argument(
+        "--quantize",
+        default=StageSettings.quantize,
+        choices=QUANTIZE,
+        help="store the weights quantized at load: the linear layers 'int8' (one scale per output "
+        "channel) or 'int4' (a scale and offset per 32 inputs), the LM head and token embedding int8 "
+        "under both; about 1/4 or 1/5 of float32's bytes. The norms stay in --dtype, and "
+        "--weight-layout has no effect. Activations enter the kernels in bfloat16. On CPU one row (a "
+        "lone stream's token) runs faster, many rows slower than float32 (README: Quantized weights) "
+        f"(default: {StageSettings.quantize})",
+    )
 
 
 def add_stage_commands(commands: Subcommands) -> None:
@@ -120,6 +136,7 @@ def add_stage_commands(commands: Subcommands) -> None:
         "rows), at twice their memory; or only 'packed' (one copy, single rows "
         f"5-15%% slower); or only 'plain' (default: {S.weight_layout})",
     )
+    add_quantize_flag(stage)
     max_message = format_size(S.max_message_bytes)
     stage.add_argument(
         "--max-message-size",
