@@ -83,11 +83,11 @@ def split_layers(num_layers: int, stages: int, *, head_weight: float = 0.0) -> l
     return list(itertools.pairwise(bounds))
 
 
-def measured_step_cost(checkpoint: Path, *, threads: int, dtype: str) -> dict[str, Any]:
+def measured_step_cost(checkpoint: Path, *, threads: int, dtype: str, quantize: str = "none") -> dict[str, Any]:
     """What a decode step's layer and LM head cost on this machine (stage_worker/step_cost.py's
     StepCost as a dict), measured in a process of its own: the launcher never imports torch."""
     argv = [sys.executable, "-m", "layerline.stage_worker.step_cost", "--model", str(checkpoint)]
-    argv += ["--threads", str(threads), "--dtype", dtype]
+    argv += ["--threads", str(threads), "--dtype", dtype, "--quantize", quantize]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=MEASURE_TIMEOUT_S, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"measuring a step's cost failed: {done.stderr.strip()[-2000:]}")
@@ -129,7 +129,7 @@ class LocalCluster:
             self.ranges = list(plan.layer_ranges)
         else:
             if plan.split == "measured" and 1 < plan.stages and config.num_layers >= 3:
-                cost = measured_step_cost(checkpoint, threads=self.threads, dtype=plan.dtype)
+                cost = measured_step_cost(checkpoint, threads=self.threads, dtype=plan.dtype, quantize=plan.quantize)
                 self.head_weight = cost["head_weight"]
                 self.split_note = (
                     f"measured on {cost['threads']} thread(s), {cost['rows']} sequences a step: a layer "

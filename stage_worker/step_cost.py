@@ -33,6 +33,7 @@ from .engine import SequenceStep, StageEngine
 from .kv_cache import CacheShape, PagedKVCache
 from .layouts import apply_layouts
 from .llama import StageModel
+from .settings import QUANTIZE
 
 ROWS = 16  # the decode batch measured: where a chain under load spends its time
 CONTEXT = 128  # tokens each of its sequences holds
@@ -50,12 +51,14 @@ class StepCost:
 class _Timed:
     """A stage of the model's shapes with random weights, holding `rows` sequences of `context` tokens."""
 
-    def __init__(self, config: ModelConfig, layers: LayerRange, *, rows: int, context: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, layers: LayerRange, *, rows: int, context: int, dtype: torch.dtype, quantize: str
+    ) -> None:
         model = StageModel(config, layers).to(dtype)
         with torch.no_grad():
             for p in model.parameters():
                 p.normal_(0.0, 0.02)
-        model = apply_layouts(model, weight_layout="both", dtype=dtype, device="cpu").eval()
+        model = apply_layouts(model, weight_layout="both", dtype=dtype, device="cpu", quantize=quantize).eval()
         blocks = rows * (-(-(context + REPEATS + 4) // 16))
         shape = CacheShape(blocks, 16, config.num_kv_heads, config.head_dim)
         self.engine = StageEngine(model, PagedKVCache(shape, layer_ids=layers, dtype=dtype))
@@ -80,15 +83,21 @@ class _Timed:
         return seconds
 
 
-def measure(config: ModelConfig, *, rows: int = ROWS, context: int = CONTEXT, dtype: torch.dtype) -> StepCost:
-    """The cost of a decoder layer and the head's weight in layers, on torch's current threads."""
+def measure(
+    config: ModelConfig, *, rows: int = ROWS, context: int = CONTEXT, dtype: torch.dtype, quantize: str = "none"
+) -> StepCost:
+    """The cost of a decoder layer and the head's weight in layers, on torch's current threads,
+    with the stages' weights (`quantize`: one of settings.QUANTIZE)."""
     n = config.num_layers
     if n < 3:
         raise ValueError(f"measuring needs 3 layers or more; the model has {n}")
     k = min(4, n - 2)  # `more` holds layers n-1-k .. n-1, never layer 0
     ranges = {"first": LayerRange(0, 1), "last": LayerRange(n - 1, n), "more": LayerRange(n - 1 - k, n)}
     with torch.inference_mode():
-        models = {name: _Timed(config, r, rows=rows, context=context, dtype=dtype) for name, r in ranges.items()}
+        models = {
+            name: _Timed(config, r, rows=rows, context=context, dtype=dtype, quantize=quantize)
+            for name, r in ranges.items()
+        }
         for model in models.values():
             model.step()  # warm
         times: dict[str, list[float]] = {name: [] for name in models}
@@ -106,10 +115,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads, as each stage will have")
     parser.add_argument("--dtype", default="float32", help="the stages' dtype")
     parser.add_argument("--rows", type=int, default=ROWS, help="decode batch: sequences per step")
+    parser.add_argument("--quantize", default="none", choices=QUANTIZE, help="the stages' --quantize")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     config = ModelConfig.from_checkpoint(args.model)
-    print(json.dumps(asdict(measure(config, rows=args.rows, dtype=getattr(torch, args.dtype)))))
+    cost = measure(config, rows=args.rows, dtype=getattr(torch, args.dtype), quantize=args.quantize)
+    print(json.dumps(asdict(cost)))
 
 
 if __name__ == "__main__":
