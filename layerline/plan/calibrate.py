@@ -154,7 +154,7 @@ def measure_matmul(cores: int, log: Callable[[str], None]) -> dict[str, dict[str
             for rows in MATMUL_ROWS:
                 if rows <= 4 and threads > 1:  # the engine runs such steps on one thread whatever it may use
                     continue
-                seconds = engine.decode(rows, 5) if rows <= 16 else engine.prefill(rows, 3)
+                seconds = engine.decode(rows, 7) if rows <= 16 else engine.prefill(rows, 3)
                 by_rows[str(rows)] = 2.0 * engine.params * rows / seconds
             rates[name][str(threads)] = by_rows
             del engine

@@ -17,7 +17,7 @@ from typing import Any
 from layerline.model_store import cache_root
 
 PROFILE_VERSION = 1
-MATMUL_ROWS = (1, 4, 16, 64, 256)  # the row counts measured: decode steps up to prompt chunks
+MATMUL_ROWS = (1, 4, 8, 16, 64, 256)  # the row counts measured: decode steps up to prompt chunks
 
 
 class ProfileError(ValueError):
@@ -47,21 +47,18 @@ class MachineProfile:
     version: int = PROFILE_VERSION
 
     def matmul_rate(self, dtype: str, threads: int, rows: float) -> float:
-        """Multiply-adds x2 per second at `rows`, interpolated in log space between measured row counts;
-        threads above the measured ones read the largest measured."""
+        """Multiply-adds x2 per second at `rows` on `threads`: interpolated in log space between the
+        measured row counts, linearly between the measured thread counts (clamped to the measured)."""
         if dtype not in self.matmul_flops:
             raise ProfileError(f"the profile has no matmul rates for dtype {dtype}: run `layerline plan --calibrate`")
-        by_threads = self.matmul_flops[dtype]
-        measured = sorted(int(t) for t in by_threads)
-        usable = [t for t in measured if t <= threads] or measured[:1]
-        table = {int(r): v for r, v in by_threads[str(usable[-1])].items()}
-        xs = sorted(table)
-        rows = min(max(rows, xs[0]), xs[-1])
-        for lo, hi in itertools.pairwise(xs):
-            if lo <= rows <= hi:
-                w = (math.log(rows) - math.log(lo)) / (math.log(hi) - math.log(lo))
-                return math.exp((1 - w) * math.log(table[lo]) + w * math.log(table[hi]))
-        return table[xs[0]]
+        by_threads = {int(t): {int(r): v for r, v in table.items()} for t, table in self.matmul_flops[dtype].items()}
+        measured = sorted(by_threads)
+        below = max([t for t in measured if t <= threads] or measured[:1])
+        above = min([t for t in measured if t >= threads] or measured[-1:])
+        low, high = _by_rows(by_threads[below], rows), _by_rows(by_threads[above], rows)
+        if above == below:
+            return low
+        return low + (high - low) * (threads - below) / (above - below)
 
     def allreduce(self, tp: int) -> float:
         if tp == 1:
@@ -110,6 +107,16 @@ class MachineProfile:
             if not isinstance(raw[name], str):
                 raise ProfileError(f"{source}: {name} must be a string")
         return cls(**raw)
+
+
+def _by_rows(table: dict[int, float], rows: float) -> float:
+    xs = sorted(table)
+    rows = min(max(rows, xs[0]), xs[-1])
+    for lo, hi in itertools.pairwise(xs):
+        if lo <= rows <= hi:
+            w = (math.log(rows) - math.log(lo)) / (math.log(hi) - math.log(lo))
+            return math.exp((1 - w) * math.log(table[lo]) + w * math.log(table[hi]))
+    return table[xs[0]]
 
 
 def _positive(value: Any, where: str, *, integer: bool = False, zero: bool = False) -> None:
