@@ -258,7 +258,7 @@ def test_the_profile_round_trips_and_a_bad_value_is_named(tmp_path: Path) -> Non
 
 def test_emitted_compose_and_manifests_are_valid_and_cover_every_layer(tmp_path: Path) -> None:
     layout = Layout(2, 2, 2, ((0, 41), (41, 80)))
-    compose = compose_text("llama-2-70b", layout, dtype="float16", gpu=True)
+    compose = compose_text("llama-2-70b", layout, dtype="float16", gpu=True, kv_bytes=3 * 2**30)
     (tmp_path / "compose.yaml").write_text(compose)
     checker = [str(Path(sys.executable).parent / "check-jsonschema"), "--builtin-schema", "vendor.compose-spec"]
     done = subprocess.run([*checker, str(tmp_path / "compose.yaml")], capture_output=True, text=True, timeout=120)
@@ -268,8 +268,9 @@ def test_emitted_compose_and_manifests_are_valid_and_cover_every_layer(tmp_path:
     assert len(stages) == 4
     parser = build_parser()
     ranges = sorted(parser.parse_args(["stage", *s["command"]]).layers for s in stages)
+    assert all(parser.parse_args(["stage", *s["command"]]).device == "cuda" for s in stages)
     assert ranges == ["0:41", "0:41", "41:80", "41:80"]
-    objects = list(yaml.safe_load_all(k8s_text("llama-2-70b", layout, dtype="float16", gpu=True)))
+    objects = list(yaml.safe_load_all(k8s_text("llama-2-70b", layout, dtype="float16", gpu=True, kv_bytes=3 * 2**30)))
     for obj in objects:
         kubernetes_validate.validate(obj, "1.30.0", strict=True)
     sets = [o for o in objects if o["kind"] == "StatefulSet"]
@@ -277,7 +278,8 @@ def test_emitted_compose_and_manifests_are_valid_and_cover_every_layer(tmp_path:
     for s in sets:
         container = s["spec"]["template"]["spec"]["containers"][0]
         assert container["resources"]["limits"]["nvidia.com/gpu"] == 2
-        assert parser.parse_args(["stage", *container["args"]]).tp == 2
+        stage = parser.parse_args(["stage", *container["args"]])
+        assert (stage.tp, stage.device, stage.kv_memory) == (2, "cuda", "3072M")
 
 
 def test_an_emitted_distributed_up_command_parses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -315,6 +317,7 @@ def test_the_emitted_up_command_parses_and_starts(
     parsed = build_parser().parse_args(command[1:])
     # A tiny model is all overhead: one process, not distributed.
     assert (parsed.model, parsed.stages, parsed.tp, parsed.replicas) == (str(model), 1, 1, 1)
+    assert parsed.kv_memory == "16M"  # 8 sequences of 128 tokens need far less: the least it asks
     port = free_port()
     out = tmp_path / "up.out"
     with out.open("wb") as sink:
@@ -337,3 +340,27 @@ def test_the_emitted_up_command_parses_and_starts(
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, out.read_text()[-3000:]
+
+
+# --- the measurements' own code, briefly -------------------------------------------------------------
+
+
+def test_calibration_times_layerline_s_own_engine_and_gloo() -> None:
+    from layerline.plan.calibrate import NARROW, _Engine, measure_allreduce
+
+    engine = _Engine(NARROW, 2, "float32", 1)
+    assert engine.params > 0 and 0 < engine.decode(4, 2) < 5 and 0 < engine.prefill(16, 1) < 5
+    assert not engine.engine.cache.sequences()  # every timed sequence released
+    assert 0 < measure_allreduce(2) < 1
+
+
+def test_the_check_predicts_every_layout_it_measures(real_model_dir: Path) -> None:
+    from layerline.plan.check import CHECKED, FIGURES, Row, predictions
+    from layerline.shared.model_config import ModelConfig
+
+    config = ModelConfig.from_checkpoint(real_model_dir)
+    predicted = predictions(config, a_profile(), real_model_dir, new_tokens=16, concurrency=4, dtype="float32")
+    assert set(predicted) == set(CHECKED)
+    assert all(predicted[name][f] > 0 for name in CHECKED for f in FIGURES)
+    assert Row("1 stage", "ttft_ms", predicted=100.0, measured=80.0).within
+    assert not Row("1 stage", "ttft_ms", predicted=100.0, measured=79.0).within  # 21 over 79 is 26.6%

@@ -112,15 +112,17 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.emit:
         if plan.recommended is None:
             raise CommandError(f"nothing to emit: {plan.reason}")
-        layout, model = plan.recommended.layout, args.model
+        layout, model, kv = plan.recommended.layout, args.model, plan.recommended.kv_per_rank
         if args.emit == "up":
-            if len(nodes) > 1:
-                raise CommandError("--emit up starts one machine; this plan spans nodes: use --emit compose or k8s")
-            text = up_text(model, layout, dtype=dtype)
+            if not cpu or len(nodes) > 1:
+                raise CommandError(
+                    "--emit up starts stages on this machine's CPU: for GPUs or several hosts use --emit compose or k8s"
+                )
+            text = up_text(model, layout, dtype=dtype, kv_bytes=kv)
         elif args.emit == "compose":
-            text = compose_text(model, layout, dtype=dtype, gpu=not cpu)
+            text = compose_text(model, layout, dtype=dtype, gpu=not cpu, kv_bytes=kv)
         else:
-            text = k8s_text(model, layout, dtype=dtype, gpu=not cpu)
+            text = k8s_text(model, layout, dtype=dtype, gpu=not cpu, kv_bytes=kv)
         print(text, end="")
         return 0
     if args.json:

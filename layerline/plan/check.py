@@ -105,6 +105,7 @@ def measure(
                 port=port + i,
                 log_dir=logs / name.replace(" ", "-"),
                 coordinator_args=("--prefix-cache", "0"),  # every round computes its prompt
+                stage_args=("--tp-timeout", "60"),  # tp ranks start slowly on a busy machine
             ),
             checkpoint,
         )
@@ -112,9 +113,8 @@ def measure(
     }
     samples: dict[str, dict[str, list[float]]] = {name: {f: [] for f in FIGURES} for name in clusters}
     try:
-        for cluster in clusters.values():
+        for cluster in clusters.values():  # one at a time: loading all at once starves a busy machine
             cluster.start()
-        for cluster in clusters.values():
             cluster.wait_ready()
             cluster_aggregate(cluster, 2, 4)  # warm up
         for r in range(rounds):

@@ -21,7 +21,12 @@ STAGE_IMAGE = "layerline-stage"
 COORDINATOR_IMAGE = "layerline-coordinator"
 
 
-def up_command(model: str, layout: Layout, *, dtype: str) -> list[str]:
+def kv_memory(kv_bytes: int) -> str:
+    """A stage's --kv-memory for a predicted KV cache: whole MiB, at least 16."""
+    return f"{max(16, -(-kv_bytes // 2**20))}M"
+
+
+def up_command(model: str, layout: Layout, *, dtype: str, kv_bytes: int) -> list[str]:
     """`layerline up` for `layout` on this machine, as an argument list."""
     return [
         "layerline",
@@ -36,16 +41,21 @@ def up_command(model: str, layout: Layout, *, dtype: str) -> list[str]:
         str(layout.dp),
         "--dtype",
         dtype,
+        "--kv-memory",
+        kv_memory(kv_bytes),
     ]
 
 
-def up_text(model: str, layout: Layout, *, dtype: str) -> str:
-    return shlex.join(up_command(model, layout, dtype=dtype)) + "\n"
+def up_text(model: str, layout: Layout, *, dtype: str, kv_bytes: int) -> str:
+    return shlex.join(up_command(model, layout, dtype=dtype, kv_bytes=kv_bytes)) + "\n"
 
 
-def _stage_args(model: str, start: int, end: int, layout: Layout, dtype: str, advertise: str) -> list[str]:
-    args = ["--model", model, "--layers", f"{start}:{end}", "--dtype", dtype]
+def _stage_args(
+    model: str, start: int, end: int, layout: Layout, *, dtype: str, advertise: str, kv_bytes: int, gpu: bool
+) -> list[str]:
+    args = ["--model", model, "--layers", f"{start}:{end}", "--dtype", dtype, "--kv-memory", kv_memory(kv_bytes)]
     args += ["--coordinator", f"coordinator:{CLUSTER_PORT}", "--advertise", advertise]
+    args += ["--device", "cuda"] if gpu else []
     return args + (["--tp", str(layout.tp)] if layout.tp > 1 else [])
 
 
@@ -53,7 +63,7 @@ def _flow(items: list[str]) -> str:
     return json.dumps(items)  # a JSON list is a YAML flow sequence
 
 
-def compose_text(model: str, layout: Layout, *, dtype: str, gpu: bool) -> str:
+def compose_text(model: str, layout: Layout, *, dtype: str, gpu: bool, kv_bytes: int) -> str:
     """A compose file: a coordinator and, per replica, one service per stage."""
     lines = [
         f"# layerline plan: tp {layout.tp} x pp {layout.pp} x dp {layout.dp} of {model} in {dtype}.",
@@ -82,11 +92,14 @@ def compose_text(model: str, layout: Layout, *, dtype: str, gpu: bool) -> str:
     for replica in range(layout.dp):
         for start, end in layout.layers:
             name = f"stage-r{replica}-{start}-{end}"
+            args = _stage_args(
+                model, start, end, layout, dtype=dtype, advertise=f"{name}:{STAGE_PORT}", kv_bytes=kv_bytes, gpu=gpu
+            )
             lines += [
                 f"  {name}:",
                 f"    image: {STAGE_IMAGE}",
                 "    init: true",
-                f"    command: {_flow(_stage_args(model, start, end, layout, dtype, f'{name}:{STAGE_PORT}'))}",
+                f"    command: {_flow(args)}",
                 "    volumes:",
                 "      - models:/var/cache/layerline",
                 "    depends_on:",
@@ -107,13 +120,13 @@ def compose_text(model: str, layout: Layout, *, dtype: str, gpu: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
-def k8s_text(model: str, layout: Layout, *, dtype: str, gpu: bool) -> str:
+def k8s_text(model: str, layout: Layout, *, dtype: str, gpu: bool, kv_bytes: int) -> str:
     """Manifests: a StatefulSet and a headless Service per stage (dp pods each), and the coordinator."""
     docs = [_coordinator_manifest(model)]
     for start, end in layout.layers:
         name = f"layerline-stage-{start}-{end}"
         advertise = f"$(POD_NAME).{name}.$(POD_NAMESPACE).svc:{STAGE_PORT}"
-        args = _stage_args(model, start, end, layout, dtype, advertise)
+        args = _stage_args(model, start, end, layout, dtype=dtype, advertise=advertise, kv_bytes=kv_bytes, gpu=gpu)
         args[args.index(f"coordinator:{CLUSTER_PORT}")] = f"layerline-coordinator:{CLUSTER_PORT}"
         resources = f"{{limits: {{nvidia.com/gpu: {layout.tp}}}}}" if gpu else '{requests: {cpu: "1", memory: 2Gi}}'
         docs.append(

@@ -80,6 +80,7 @@ class Prediction:
     bubble: float  # share of a stage's time it waits, for one stream
     link_bytes_per_token: dict[str, int] = field(default_factory=dict)  # per link kind, per token of a stream
     inter_node_hops: int = 0  # link crossings of a chain's round trip between nodes
+    kv_per_rank: int = 0  # the largest KV cache one stage rank needs (its --kv-memory)
 
 
 @dataclass(frozen=True)
@@ -248,4 +249,5 @@ def predict(config: ModelConfig, layout: Layout, machine: Machine, work: Workloa
         bubble=1.0 - busy / single_round,
         link_bytes_per_token=link_bytes,
         inter_node_hops=crossings,
+        kv_per_rank=max(m.kv_cache for m in memories),
     )
