@@ -32,6 +32,7 @@ import torch
 from layerline.launcher import ClusterPlan, LocalCluster
 from layerline.shared.model_config import LayerRange, ModelConfig
 
+from .predict import SMALL_STEP_TOKENS
 from .profile import MATMUL_ROWS, MachineProfile
 
 DTYPES = ("float32", "bfloat16")
@@ -144,22 +145,30 @@ class _Engine:
 
 def measure_matmul(cores: int, log: Callable[[str], None]) -> dict[str, dict[str, dict[str, float]]]:
     """The rate of layerline's own linear layers: steps of a wide random model whose weights are most
-    of its time (their fixed time, measured apart, is a few percent), as multiply-adds x2 per second."""
+    of its time (their fixed time, measured apart, is a few percent), as multiply-adds x2 per second.
+    One thread and every core take turns at each row count, twice, so that a shared machine's load
+    falls on both alike."""
     rates: dict[str, dict[str, dict[str, float]]] = {}
+    counts = sorted({1, cores})
     for name in DTYPES:
-        rates[name] = {}
-        for threads in sorted({1, cores}):
-            engine = _Engine(WIDE, WIDE_LAYERS, name, threads)
-            by_rows = {}
-            for rows in MATMUL_ROWS:
-                if rows <= 4 and threads > 1:  # the engine runs such steps on one thread whatever it may use
-                    continue
-                seconds = engine.decode(rows, 7) if rows <= 16 else engine.prefill(rows, 3)
-                by_rows[str(rows)] = 2.0 * engine.params * rows / seconds
-            rates[name][str(threads)] = by_rows
-            del engine
+        engine = _Engine(WIDE, WIDE_LAYERS, name, 1)
+        samples: dict[int, dict[int, list[float]]] = {t: {} for t in counts}
+        for rows in MATMUL_ROWS:
+            # The engine runs a step of a few tokens on one thread whatever it may use.
+            turns = [t for t in counts if t == 1 or rows > SMALL_STEP_TOKENS]
+            for _ in range(2):
+                for threads in turns:
+                    engine.engine.max_threads = engine.engine.prefill_threads = threads
+                    seconds = engine.decode(rows, 5) if rows <= 16 else engine.prefill(rows, 2)
+                    samples[threads].setdefault(rows, []).append(seconds)
+        rates[name] = {
+            str(t): {str(r): 2.0 * engine.params * r / statistics.median(v) for r, v in by_rows.items()}
+            for t, by_rows in samples.items()
+        }
+        del engine
+        for t, by_rows in rates[name].items():
             shown = ", ".join(f"{r} rows {v / 1e9:.1f}" for r, v in by_rows.items())
-            log(f"layerline's matmuls, {name}, {threads} thread(s): {shown} GFLOP/s")
+            log(f"layerline's matmuls, {name}, {t} thread(s): {shown} GFLOP/s")
     return rates
 
 
