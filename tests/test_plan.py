@@ -354,6 +354,16 @@ def test_calibration_times_layerline_s_own_engine_and_gloo() -> None:
     assert 0 < measure_allreduce(2) < 1
 
 
+def test_the_model_s_thread_rules_are_the_engine_s() -> None:
+    from layerline.plan import predict
+    from layerline.stage_worker import engine
+
+    assert (predict.SMALL_STEP_TOKENS, predict.LARGE_STEP_TOKENS) == (
+        engine.SMALL_STEP_TOKENS,
+        engine.LARGE_STEP_TOKENS,
+    )
+
+
 def test_the_check_predicts_every_layout_it_measures(real_model_dir: Path) -> None:
     from layerline.plan.check import CHECKED, FIGURES, Row, predictions
     from layerline.shared.model_config import ModelConfig
