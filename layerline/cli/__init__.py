@@ -1,7 +1,7 @@
 """The `layerline` command line: argument parsing and nothing else.
 
 Each command group registers its subcommands through one `add_*_commands(commands)` function
-listed in `COMMAND_GROUPS` (here and in `servers`, `cluster`, `bench`, `certs`); each subcommand's handler
+listed in `COMMAND_GROUPS` (here and in `servers`, `cluster`, `bench`, `certs`, `plan`); each subcommand's handler
 takes the parsed arguments, imports the module that does the work only when it runs (so
 `layerline --help` and the client commands never load numpy or torch), and returns the exit
 code. A failure the user can act on is raised as `CommandError` and printed as `error: ...`
@@ -21,6 +21,7 @@ from layerline import __version__
 from .bench import add_bench_commands
 from .certs import add_certs_commands
 from .cluster import add_cluster_commands
+from .plan import add_plan_commands
 from .servers import add_coordinator_commands, add_stage_commands
 from .support import (
     EXIT_INTERRUPTED,
@@ -109,6 +110,7 @@ COMMAND_GROUPS: tuple[CommandGroup, ...] = (
     add_cluster_commands,
     add_bench_commands,
     add_certs_commands,
+    add_plan_commands,
 )
 
 

@@ -1,0 +1,299 @@
+"""`layerline plan --calibrate`: measure this machine for the planner and save its profile.
+
+Owns the measurements, each a median of repeats, and nothing about how they are used:
+- memory bandwidth: one thread summing a tensor far larger than the caches;
+- matmul rates per dtype (float32, bfloat16) at the row counts of a decode step up to a prompt
+  chunk, on one thread and on every core, against a weight larger than the caches;
+- a decoder layer's time besides its weights, and a stage step's fixed time: layerline's own
+  stage engine, one thread, on narrow random models of two depths (the slope and the intercept);
+- an all-reduce of a token's hidden state among 2 and 3 gloo ranks on this machine, as a
+  tensor-parallel stage runs them;
+- layerline's own path: single streams through 1- and 2-stage local clusters of the embedded model,
+  whose stages report their compute; the rest of a token's time is the step's overhead, and the
+  difference between the two is what a hop adds;
+- a stage process's memory besides its tensors.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from layerline.launcher import ClusterPlan, LocalCluster
+from layerline.shared.model_config import LayerRange, ModelConfig
+
+from .profile import MATMUL_ROWS, MachineProfile
+
+DTYPES = ("float32", "bfloat16")
+WIDE: dict[
+    str, int | str
+] = {  # a model whose steps are mostly its weights' matmuls: 2 layers of 69M parameters, 556 MB in float32
+    "model_type": "llama",
+    "hidden_size": 2560,
+    "intermediate_size": 6912,
+    "num_attention_heads": 20,
+    "num_key_value_heads": 4,
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+}
+WIDE_LAYERS = 2
+BANDWIDTH_ELEMENTS = 1 << 28  # 1 GiB of float32
+ALLREDUCE_WIDTH = 4096  # a token's hidden state, float32
+ALLREDUCE_ROUNDS = 300
+NARROW: dict[str, int | str] = {  # a model whose weights are negligible: what remains is a layer's fixed time
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+}
+
+
+def _median_time(run: Callable[[], object], repeats: int) -> float:
+    run()  # warm up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def measure_bandwidth() -> float:
+    torch.set_num_threads(1)
+    data = torch.ones(BANDWIDTH_ELEMENTS, dtype=torch.float32)
+    seconds = _median_time(data.sum, 5)
+    return data.numel() * data.element_size() / seconds
+
+
+class _Engine:
+    """layerline's own stage engine on a random model of `shape`, all of its layers, for timing steps."""
+
+    def __init__(self, shape: dict[str, int | str], layers: int, dtype: str, threads: int) -> None:
+        from layerline.stage_worker.engine import StageEngine
+        from layerline.stage_worker.kv_cache import CacheShape, PagedKVCache
+        from layerline.stage_worker.layouts import apply_layouts
+        from layerline.stage_worker.llama import StageModel
+
+        torch.set_num_threads(threads)
+        self.config = ModelConfig.from_dict({**shape, "num_hidden_layers": layers})
+        span = LayerRange(0, layers)
+        torch.manual_seed(0)
+        model = StageModel(self.config, span).to(getattr(torch, dtype)).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.02)
+        self.params = sum(p.numel() for p in model.parameters())
+        apply_layouts(model, weight_layout="both", dtype=getattr(torch, dtype), device="cpu")
+        kv = CacheShape(160, 16, self.config.num_kv_heads, self.config.head_dim)
+        cache = PagedKVCache(kv, layer_ids=span, dtype=getattr(torch, dtype))
+        self.engine = StageEngine(model, cache, max_threads=threads, prefill_threads=threads)
+        self._fresh = 0
+
+    def decode(self, rows: int, repeats: int) -> float:
+        """Median time of a step that advances `rows` sequences (8 tokens each held) by a token."""
+        from layerline.stage_worker.engine import SequenceStep
+
+        names = [f"d{rows}-{i}" for i in range(rows)]
+        self.engine.run([SequenceStep(n, tuple(range(8)), tuple(range(1, 9))) for n in names])
+        positions = iter(range(8, 10_000))
+
+        def step() -> None:
+            at = next(positions)
+            self.engine.run([SequenceStep(n, (at,), (3,)) for n in names])
+
+        seconds = _median_time(step, repeats)
+        for n in names:
+            self.engine.release(n)
+        return seconds
+
+    def prefill(self, rows: int, repeats: int) -> float:
+        """Median time of a step of one new sequence's first `rows` tokens."""
+        from layerline.stage_worker.engine import SequenceStep
+
+        def step() -> None:
+            self._fresh += 1
+            name = f"p{self._fresh}"
+            self.engine.run([SequenceStep(name, tuple(range(rows)), (5,) * rows)])
+            self.engine.release(name)
+
+        return _median_time(step, repeats)
+
+
+def measure_matmul(cores: int, log: Callable[[str], None]) -> dict[str, dict[str, dict[str, float]]]:
+    """The rate of layerline's own linear layers: steps of a wide random model whose weights are most
+    of its time (their fixed time, measured apart, is a few percent), as multiply-adds x2 per second.
+    One thread and every core take turns at each row count, twice, so that a shared machine's load
+    falls on both alike."""
+    rates: dict[str, dict[str, dict[str, float]]] = {}
+    counts = sorted({1, cores})
+    for name in DTYPES:
+        engine = _Engine(WIDE, WIDE_LAYERS, name, 1)
+        samples: dict[int, dict[int, list[float]]] = {t: {} for t in counts}
+        for rows in MATMUL_ROWS:
+            for _ in range(2):
+                for threads in counts:
+                    engine.engine.max_threads = engine.engine.prefill_threads = threads
+                    seconds = engine.decode(rows, 5) if rows <= 16 else engine.prefill(rows, 2)
+                    samples[threads].setdefault(rows, []).append(seconds)
+        rates[name] = {
+            str(t): {str(r): 2.0 * engine.params * r / statistics.median(v) for r, v in by_rows.items()}
+            for t, by_rows in samples.items()
+        }
+        del engine
+        for t, by_rows in rates[name].items():
+            shown = ", ".join(f"{r} rows {v / 1e9:.1f}" for r, v in by_rows.items())
+            log(f"layerline's matmuls, {name}, {t} thread(s): {shown} GFLOP/s")
+    return rates
+
+
+def measure_layer_overhead() -> tuple[dict[str, float], dict[str, float]]:
+    """Per dtype: a layer's fixed time (slope over depth) and a stage step's (intercept), one token."""
+    per_layer, per_step = {}, {}
+    for dtype in DTYPES:
+        shallow = _Engine(NARROW, 4, dtype, 1).decode(1, 40)
+        deep = _Engine(NARROW, 24, dtype, 1).decode(1, 40)
+        per_layer[dtype] = max((deep - shallow) / 20, 1e-7)
+        per_step[dtype] = max(shallow - 4 * per_layer[dtype], 1e-7)
+    return per_layer, per_step
+
+
+def _allreduce_rank(rank: int, size: int, port: int, queue: multiprocessing.Queue) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    t = torch.ones(1, ALLREDUCE_WIDTH)
+    for _ in range(20):
+        dist.all_reduce(t)
+    times = []
+    for _ in range(ALLREDUCE_ROUNDS):
+        start = time.perf_counter()
+        dist.all_reduce(t)
+        times.append(time.perf_counter() - start)
+    if rank == 0:
+        queue.put(statistics.median(times))
+    dist.destroy_process_group()
+
+
+def measure_allreduce(size: int) -> float:
+    from layerline.stage_worker.tp_group import free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_allreduce_rank, args=(r, size, port, queue)) for r in range(size)]
+    for p in procs:
+        p.start()
+    try:
+        return float(queue.get(timeout=120))
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+
+
+def measure_runtime_bytes() -> int:
+    """Resident memory of a fresh process that has loaded a stage worker's code (torch and all)."""
+    code = (
+        "import layerline.stage_worker.server, torch; torch.ones(1) @ torch.ones(1);"
+        "print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmRSS')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise RuntimeError(f"measuring a stage process's memory failed: {done.stderr[-500:]}")
+    return int(done.stdout.split()[-1]) * 1024
+
+
+def measure_path(
+    checkpoint: Path, *, port: int, tokens: int, rounds: int, log: Callable[[str], None]
+) -> tuple[float, float]:
+    """Layerline's own path on this machine: (a step's time besides compute, what one more hop adds)."""
+    from layerline.bench.run import cluster_aggregate, cluster_single
+
+    logs = Path(tempfile.mkdtemp(prefix="layerline-calibrate-"))
+    others: dict[int, list[float]] = {1: [], 2: []}
+    clusters = {
+        stages: LocalCluster(
+            ClusterPlan(
+                model=str(checkpoint),
+                stages=stages,
+                port=port + stages,
+                log_dir=logs / f"{stages}",
+                coordinator_args=("--prefix-cache", "0"),
+            ),
+            checkpoint,
+        )
+        for stages in (1, 2)
+    }
+    try:
+        for cluster in clusters.values():
+            cluster.start()
+        for cluster in clusters.values():
+            cluster.wait_ready()
+            cluster_aggregate(cluster, 1, 4)  # warm up
+        for r in range(rounds):
+            for stages, cluster in clusters.items():
+                others[stages].append(cluster_single(cluster, tokens).other_ms / 1000.0)
+            log(
+                f"path round {r + 1}/{rounds}: other than compute, 1 stage {others[1][-1] * 1e3:.2f} ms, "
+                f"2 stages {others[2][-1] * 1e3:.2f} ms per token"
+            )
+    finally:
+        for cluster in clusters.values():
+            cluster.stop()
+    one, two = statistics.median(others[1]), statistics.median(others[2])
+    return max(one, 1e-6), max(two - one, 0.0)
+
+
+def calibrate(checkpoint: Path, *, port: int = 7580, log: Callable[[str], None] = print) -> MachineProfile:
+    cores = os.cpu_count() or 1
+    log(f"CPU: {cpu_name()}, {cores} cores")
+    bandwidth = measure_bandwidth()
+    log(f"memory bandwidth, one thread: {bandwidth / 1e9:.1f} GB/s")
+    matmul = measure_matmul(cores, log)
+    per_layer, per_step = measure_layer_overhead()
+    log("a layer's fixed time: " + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in per_layer.items()))
+    allreduce = {str(size): measure_allreduce(size) for size in (2, 3)}
+    log("all-reduce of a hidden state: " + ", ".join(f"tp {k} {v * 1e6:.0f} us" for k, v in allreduce.items()))
+    runtime = measure_runtime_bytes()
+    log(f"a stage process besides its tensors: {runtime / 2**20:.0f} MiB")
+    step, hop = measure_path(checkpoint, port=port, tokens=32, rounds=3, log=log)
+    log(f"layerline's path: {step * 1e3:.2f} ms a step besides compute, {hop * 1e3:.2f} ms more per hop")
+    return MachineProfile(
+        cpu=cpu_name(),
+        cores=cores,
+        memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        torch_version=torch.__version__,
+        bandwidth_bytes_s=bandwidth,
+        matmul_flops=matmul,
+        layer_overhead_s=per_layer,
+        stage_step_s=per_step,
+        step_overhead_s=step,
+        hop_s=hop,
+        allreduce_s=allreduce,
+        runtime_bytes=runtime,
+    )

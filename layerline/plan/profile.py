@@ -1,0 +1,136 @@
+"""This machine as `layerline plan --calibrate` measured it: the figures a CPU prediction is made of.
+
+Owns the profile's fields, their JSON file (written and read back field by field, every value
+checked: a profile is plain numbers, never code), and reading a matmul rate at a row count between
+the measured ones. Measuring is `calibrate.py`'s; using the figures is `predict.py`'s.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from layerline.model_store import cache_root
+
+PROFILE_VERSION = 1
+MATMUL_ROWS = (1, 4, 8, 16, 64, 256)  # the row counts measured: decode steps up to prompt chunks
+
+
+class ProfileError(ValueError):
+    """A profile file that is missing, unreadable, or holds a value that is not what it should be."""
+
+
+def default_profile_path() -> Path:
+    return cache_root() / "plan-profile.json"
+
+
+@dataclass(frozen=True)
+class MachineProfile:
+    cpu: str  # the CPU's model name
+    cores: int  # logical CPUs torch may use
+    memory_bytes: int  # RAM
+    torch_version: str  # the torch that was measured
+    bandwidth_bytes_s: float  # reading a large tensor, one thread
+    # dtype -> threads ("1", and the core count) -> rows -> multiply-adds x2 per second of x @ W.T
+    # with a weight larger than the caches
+    matmul_flops: dict[str, dict[str, dict[str, float]]]
+    layer_overhead_s: dict[str, float]  # dtype -> a decoder layer's step time that is not its weights (1 token)
+    stage_step_s: dict[str, float]  # dtype -> a stage step's fixed compute besides its layers (1 token)
+    step_overhead_s: float  # a step's time on layerline's path that is not compute: coordinator and 1 hop
+    hop_s: float  # what one more pipeline hop adds to a step on this machine
+    allreduce_s: dict[str, float]  # tp -> one all-reduce of a token's hidden state among tp ranks (gloo)
+    runtime_bytes: int  # a stage process's memory besides weights, KV and activations
+    version: int = PROFILE_VERSION
+
+    def matmul_rate(self, dtype: str, threads: int, rows: float) -> float:
+        """Multiply-adds x2 per second at `rows` on `threads`: interpolated in log space between the
+        measured row counts, linearly between the measured thread counts (clamped to the measured)."""
+        if dtype not in self.matmul_flops:
+            raise ProfileError(f"the profile has no matmul rates for dtype {dtype}: run `layerline plan --calibrate`")
+        by_threads = {int(t): {int(r): v for r, v in table.items()} for t, table in self.matmul_flops[dtype].items()}
+        measured = sorted(by_threads)
+        below = max([t for t in measured if t <= threads] or measured[:1])
+        above = min([t for t in measured if t >= threads] or measured[-1:])
+        low, high = _by_rows(by_threads[below], rows), _by_rows(by_threads[above], rows)
+        if above == below:
+            return low
+        return low + (high - low) * (threads - below) / (above - below)
+
+    def allreduce(self, tp: int) -> float:
+        if tp == 1:
+            return 0.0
+        if str(tp) in self.allreduce_s:
+            return self.allreduce_s[str(tp)]
+        largest = max(int(t) for t in self.allreduce_s)  # a ring's latency grows with its length
+        return self.allreduce_s[str(largest)] * (tp - 1) / (largest - 1)
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> MachineProfile:
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ProfileError(f"no machine profile at {path}: run `layerline plan --calibrate` first") from None
+        except (OSError, json.JSONDecodeError) as err:
+            raise ProfileError(f"machine profile {path} is not readable JSON: {err}") from None
+        return cls.from_dict(raw, source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: Any, *, source: str = "profile") -> MachineProfile:
+        if not isinstance(raw, dict):
+            raise ProfileError(f"{source}: a profile is a JSON object")
+        if raw.get("version") != PROFILE_VERSION:
+            raise ProfileError(
+                f"{source}: version {raw.get('version')!r}, this layerline reads {PROFILE_VERSION}: calibrate again"
+            )
+        names = {f.name for f in fields(cls)}
+        missing, extra = names - raw.keys(), raw.keys() - names
+        if missing or extra:
+            raise ProfileError(f"{source}: missing fields {sorted(missing)}, unknown fields {sorted(extra)}")
+        for name in ("cores", "memory_bytes", "runtime_bytes"):
+            _positive(raw[name], f"{source}: {name}", integer=True)
+        for name in ("bandwidth_bytes_s", "step_overhead_s"):
+            _positive(raw[name], f"{source}: {name}")
+        _positive(raw["hop_s"], f"{source}: hop_s", zero=True)
+        _table(raw["matmul_flops"], f"{source}: matmul_flops", depth=3)
+        _table(raw["layer_overhead_s"], f"{source}: layer_overhead_s", depth=1)
+        _table(raw["stage_step_s"], f"{source}: stage_step_s", depth=1)
+        _table(raw["allreduce_s"], f"{source}: allreduce_s", depth=1, allow_empty=True)
+        for name in ("cpu", "torch_version"):
+            if not isinstance(raw[name], str):
+                raise ProfileError(f"{source}: {name} must be a string")
+        return cls(**raw)
+
+
+def _by_rows(table: dict[int, float], rows: float) -> float:
+    xs = sorted(table)
+    rows = min(max(rows, xs[0]), xs[-1])
+    for lo, hi in itertools.pairwise(xs):
+        if lo <= rows <= hi:
+            w = (math.log(rows) - math.log(lo)) / (math.log(hi) - math.log(lo))
+            return math.exp((1 - w) * math.log(table[lo]) + w * math.log(table[hi]))
+    return table[xs[0]]
+
+
+def _positive(value: Any, where: str, *, integer: bool = False, zero: bool = False) -> None:
+    kinds = (int,) if integer else (int, float)
+    ok = isinstance(value, kinds) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not zero):
+        raise ProfileError(f"{where} = {value!r} must be a {'positive integer' if integer else 'positive number'}")
+
+
+def _table(value: Any, where: str, *, depth: int, allow_empty: bool = False) -> None:
+    if not isinstance(value, dict) or (not value and not allow_empty):
+        raise ProfileError(f"{where} must be a non-empty JSON object")
+    for key, inner in value.items():
+        if depth == 1:
+            _positive(inner, f"{where}[{key!r}]")
+        else:
+            _table(inner, f"{where}[{key!r}]", depth=depth - 1)
