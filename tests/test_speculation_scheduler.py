@@ -1,0 +1,127 @@
+"""The coordinator's scheduler speculating by prompt lookup, over two tiny stage engines in this
+process: the same tokens as without speculation, fewer steps on a repeating answer, never past
+the sequence's length, and no KV left on a stage once a sequence ends or is cancelled."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from layerline.coordinator.scheduler import ChainScheduler
+from layerline.coordinator.steps import Outcome, PlannedStep, Sequence, Token
+from layerline.shared.sampling import SamplingParams
+from layerline.stage_worker.engine import SequenceStep
+
+from .test_speculation import engines
+from .tiny_models import make_tiny_checkpoint
+
+# A prompt whose greedy answer, on the tiny model, settles into a loop that prompt lookup finds.
+PROMPT = [1, 5, 9, 30, 31, 5, 9, 30, 44, 7, 7, 12, 5, 9]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("speculation-scheduler")
+    make_tiny_checkpoint("smollm2", path)
+    return path
+
+
+class EngineChain:
+    """A StepSender that runs each step through two stage engines, as a chain's stages would."""
+
+    def __init__(self, ckpt) -> None:
+        self.first, self.last = engines(ckpt)
+        self.steps = 0
+
+    async def __call__(self, step: PlannedStep) -> list[Outcome]:
+        self.steps += 1
+        for name in step.release:
+            self.first.release(name)
+            self.last.release(name)
+        seqs = [
+            SequenceStep(
+                s.seq.kv_id,
+                tuple(range(s.start, s.start + len(s.token_ids) + len(s.draft))),
+                s.token_ids + s.draft,
+                s.seq.sampling if s.sample else None,
+                tuple(s.seq.history) if s.sample and s.seq.sampling.repetition_penalty != 1.0 else (),
+                draft=len(s.draft),
+                rewind=s.rewind,
+            )
+            for s in step.slices
+        ]
+        a = self.first.run(seqs)
+        b = self.last.run(a.kept, a.hidden)
+        assert not a.errors and not b.errors
+        await asyncio.sleep(0)
+        return [
+            Outcome(
+                s.sequence_id,
+                token_id=b.draws[s.sequence_id].token_id if s.sampling is not None else None,
+                accepted=tuple(Token(d.token_id, d.logprob, d.top) for d in b.accepted.get(s.sequence_id, ())),
+            )
+            for s in seqs
+        ]
+
+    async def release(self, names: list[str]) -> None:
+        for name in names:
+            self.first.release(name)
+            self.last.release(name)
+
+    def held(self) -> list[str]:
+        return self.first.cache.sequences() + self.last.cache.sequences()
+
+
+async def generate(chain: EngineChain, n: int, *, speculate: int, sampling: SamplingParams, stop_after: int = 0):
+    """`n` tokens of PROMPT (or a cancel after `stop_after` tokens); the tokens the sequence got."""
+    counts = [0, 0]  # drafted, accepted
+
+    def speculated(drafted: int, accepted: int) -> None:
+        counts[0] += drafted
+        counts[1] += accepted
+
+    sched = ChainScheduler(
+        chain, depth=1, on_step_failed=lambda *a: None, release=chain.release, on_speculated=speculated
+    )
+    sched.start()
+    got: list[int] = []
+    ended = asyncio.Event()
+
+    def on_token(token: int, *_: object) -> None:
+        got.append(token)
+        if len(got) == n:
+            seq.done = seq.complete = True  # its length: no token after this one is its
+        if len(got) == (stop_after or n):
+            ended.set()  # then the cluster finishes it: at its end, or cancelled
+
+    seq = Sequence("s", list(PROMPT), sampling, on_token, lambda *a: None, speculate=speculate, max_generated=n)
+    sched.add(seq)
+    await asyncio.wait_for(ended.wait(), 60)
+    sched.finish(seq)
+    for _ in range(10):
+        await asyncio.sleep(0)
+    await sched.stop()
+    assert seq.fed <= len(seq.history) and sched.held == {}
+    return got, counts[0], counts[1]
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingParams(), SamplingParams(temperature=0.1, top_k=5, seed=5, repetition_penalty=1.05)],
+    ids=["greedy", "seeded"],
+)
+def test_speculation_gives_the_same_tokens_in_fewer_steps_and_frees_the_kv(ckpt, sampling):
+    plain_chain, spec_chain = EngineChain(ckpt), EngineChain(ckpt)
+    plain, drafted, _ = asyncio.run(generate(plain_chain, 40, speculate=0, sampling=sampling))
+    spec, drafted, accepted = asyncio.run(generate(spec_chain, 40, speculate=6, sampling=sampling))
+    assert spec == plain and len(spec) == 40  # never a token past the sequence's length
+    assert plain_chain.steps == 40  # the prompt and its first token, then one token a step
+    assert 0 < accepted <= drafted and spec_chain.steps <= 40 - accepted  # each accepted token saved a step
+    assert plain_chain.held() == [] and spec_chain.held() == []  # released when the sequence ended
+
+
+def test_a_cancelled_speculating_sequence_leaves_no_kv(ckpt):
+    chain = EngineChain(ckpt)
+    got, drafted, _ = asyncio.run(generate(chain, 40, speculate=6, sampling=SamplingParams(), stop_after=9))
+    assert 9 <= len(got) < 40 and drafted > 0 and chain.held() == []
