@@ -107,3 +107,14 @@ def test_a_bad_speculate_is_refused_naming_the_field(cluster, value):
     assert err.value.details() == f"speculate = {value} must be in [0, 16] (0: off)"
     with Client(cluster.address) as client, pytest.raises(ValueError, match="speculate"):
         client.generate("hi", speculate=-1)
+
+
+def test_the_bench_workloads_run_and_quoting_drafts_are_accepted(cluster):
+    from layerline.bench.speculate import ORDINARY, QUOTING, run_workload
+
+    with Client(cluster.address) as client:
+        quoting = run_workload(client, "quoting", QUOTING[1:2], tokens=32, speculate=8, rounds=1)
+        ordinary = run_workload(client, "ordinary", ORDINARY[:1], tokens=16, speculate=8, rounds=1)
+    assert quoting.tokens == 32 and quoting.acceptance > 0.5  # the class is copied with one name changed
+    assert quoting.plain_tok_s > 0 and quoting.speculative_tok_s > 0
+    assert ordinary.tokens == 16 and 0 <= ordinary.acceptance < 0.5
