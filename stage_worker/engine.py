@@ -3,9 +3,11 @@
 Owns the `StageModel`, its `PagedKVCache`, when a step last touched each sequence it holds
 (monotonic seconds: the sequences a step names and those it copies a prefix from, whether or
 not they ran) and the rules a step must satisfy. A step is checked
-sequence by sequence: a sequence that breaks a rule (positions that skip or repeat, token ids
-outside the vocabulary, an unknown sequence, a cache that cannot hold it) is dropped from the
-step with a typed error while the others run. Works on plain dataclasses and tensors; the
+sequence by sequence: a sequence that breaks a rule (positions that skip, or repeat without
+`rewind`, token ids outside the vocabulary, an unknown sequence, a cache that cannot hold it) is
+dropped from the step with a typed error while the others run. A sequence may end with drafted
+tokens: the last stage verifies them (`speculation`) and drops the KV of those it rejects; the
+other stages drop it when the next step rewinds. Works on plain dataclasses and tensors; the
 servicer turns wire frames into these and back.
 
 Knows nothing of gRPC, of the next hop or of which requests the sequences belong to.

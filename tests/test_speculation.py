@@ -149,3 +149,18 @@ def test_prompt_lookup_drafts_what_followed_the_longest_latest_match():
     assert lookup.draft([*history, 4, 6, 5], 0) == []
     assert PromptLookup().draft([5], 3) == [] and PromptLookup().draft([5, 5], 3) == [5]
     assert MAX_NGRAM == 3
+
+
+def test_the_speculate_flag_is_checked_and_explained(capsys):
+    from layerline.cli import main
+    from layerline.coordinator.settings import CoordinatorSettings
+
+    assert CoordinatorSettings().speculate == 0  # off unless asked
+    assert CoordinatorSettings(speculate=16).speculate == 16
+    for bad in (-1, 17):
+        with pytest.raises(ValueError, match=rf"--speculate {bad} must be in \[0, 16\] \(0: off\)"):
+            CoordinatorSettings(speculate=bad)
+    for command in ("coordinator", "up"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert "--speculate K" in capsys.readouterr().out
