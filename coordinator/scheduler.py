@@ -273,6 +273,7 @@ class ChainScheduler:
                 self.on_failover_gap(seq, time.monotonic() - seq.failed_at)
                 seq.failed_at = None
             if s.draft:
+                seq.lookup.verified(len(s.draft), len(accepted))
                 self.on_speculated(len(s.draft), len(accepted))
             for token in (*accepted, Token(outcome.token_id, outcome.logprob, outcome.top)):
                 seq.generated.append(token.token_id)

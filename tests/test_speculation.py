@@ -151,6 +151,26 @@ def test_prompt_lookup_drafts_what_followed_the_longest_latest_match():
     assert MAX_NGRAM == 3
 
 
+def test_a_drafts_length_halves_after_a_miss_and_doubles_after_a_hit():
+    lookup = PromptLookup()
+    history = list(range(20)) * 2  # whatever comes next was seen before: long drafts are possible
+    assert len(lookup.draft(history[:30], 8)) == 8
+    lookup.verified(8, 0)
+    assert len(lookup.draft(history[:31], 8)) == 4
+    lookup.verified(4, 2)  # partly right: the length stays
+    assert len(lookup.draft(history[:32], 8)) == 4
+    lookup.verified(4, 0)
+    lookup.verified(2, 0)
+    lookup.verified(1, 0)
+    assert lookup.length == 1 and len(lookup.draft(history[:33], 8)) == 1
+    lookup.verified(1, 1)
+    lookup.verified(2, 2)
+    assert len(lookup.draft(history[:34], 8)) == 4
+    lookup.verified(4, 4)
+    lookup.verified(8, 8)
+    assert lookup.length == 16 and len(lookup.draft(history[:35], 8)) == 8  # within the caller's bound
+
+
 def test_the_speculate_flag_is_checked_and_explained(capsys):
     from layerline.cli import main
     from layerline.coordinator.settings import CoordinatorSettings
