@@ -93,7 +93,10 @@ class StepPlan:
         k = min(seq.speculate, self.budget - (end - seq.fed))
         if seq.max_generated is not None:
             k = min(k, seq.max_generated - len(seq.generated) - 1)
-        return tuple(seq.lookup.draft(seq.history, k))
+        draft = tuple(seq.lookup.draft(seq.history, k))
+        if self.free is not None and self._blocks(end + len(draft)) - self._blocks(seq.kv_tokens) > self.free:
+            return ()  # a draft takes free KV only, never another sequence's
+        return draft
 
     def never_fits(self, seq: Sequence) -> bool:
         """Fail `seq` if its history and next token need more KV than the chain's smallest stage holds."""

@@ -125,3 +125,22 @@ def test_a_cancelled_speculating_sequence_leaves_no_kv(ckpt):
     chain = EngineChain(ckpt)
     got, drafted, _ = asyncio.run(generate(chain, 40, speculate=6, sampling=SamplingParams(), stop_after=9))
     assert 9 <= len(got) < 40 and drafted > 0 and chain.held() == []
+
+
+def test_a_draft_takes_only_free_kv():
+    from .test_scheduler import HeldSteps, settle, started
+
+    async def run(kv_blocks: int) -> tuple[int, ...]:
+        sender = HeldSteps()
+        sched = started(sender, depth=1, kv_blocks=kv_blocks, block_size=1)
+        s = Sequence("s", [7] * 8, SamplingParams(), lambda *a: None, lambda *a: None, speculate=8, max_generated=50)
+        sched.add(s)
+        await settle()
+        sender.answer(0)  # the prompt, and its first token (7): the history repeats, so 7 is drafted next
+        await settle()
+        (decode,) = sender.steps[1][0].slices
+        await sched.stop()
+        return decode.draft
+
+    assert asyncio.run(run(kv_blocks=10)) == (7,)  # 8 held, its next token and one drafted: 10
+    assert asyncio.run(run(kv_blocks=9)) == ()  # room for its next token only: no draft
