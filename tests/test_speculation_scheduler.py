@@ -9,7 +9,8 @@ import asyncio
 import pytest
 
 from layerline.coordinator.scheduler import ChainScheduler
-from layerline.coordinator.steps import Outcome, PlannedStep, Sequence, Token
+from layerline.coordinator.steps import Outcome, PlannedStep, Sequence, StepFailed, Token
+from layerline.shared.errors import Code
 from layerline.shared.sampling import SamplingParams
 from layerline.stage_worker.engine import SequenceStep
 
@@ -30,12 +31,17 @@ def ckpt(tmp_path_factory):
 class EngineChain:
     """A StepSender that runs each step through two stage engines, as a chain's stages would."""
 
-    def __init__(self, ckpt) -> None:
+    def __init__(self, ckpt, *, fail_at: int = 0) -> None:
         self.first, self.last = engines(ckpt)
         self.steps = 0
+        self.fail_at = fail_at  # the step that fails as if a stage died (0: none)
+        self.fed: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []  # (KV name, token ids, draft) of each slice
 
     async def __call__(self, step: PlannedStep) -> list[Outcome]:
         self.steps += 1
+        self.fed += [(s.seq.kv_id, s.token_ids, s.draft) for s in step.slices]
+        if self.steps == self.fail_at:
+            raise StepFailed(Code.UNAVAILABLE, "stage 2 died")
         for name in step.release:
             self.first.release(name)
             self.last.release(name)
@@ -81,9 +87,12 @@ async def generate(chain: EngineChain, n: int, *, speculate: int, sampling: Samp
         counts[0] += drafted
         counts[1] += accepted
 
-    sched = ChainScheduler(
-        chain, depth=1, on_step_failed=lambda *a: None, release=chain.release, on_speculated=speculated
-    )
+    def failed(seqs: list[Sequence], err: StepFailed) -> None:
+        for s in seqs:  # its KV is lost with the chain (and its ledger): rebuilt from its history, as after a move
+            sched.held.pop(s.replace_kv())
+            sched.add(s)
+
+    sched = ChainScheduler(chain, depth=1, on_step_failed=failed, release=chain.release, on_speculated=speculated)
     sched.start()
     got: list[int] = []
     ended = asyncio.Event()
@@ -144,3 +153,15 @@ def test_a_draft_takes_only_free_kv():
 
     assert asyncio.run(run(kv_blocks=10)) == (7,)  # 8 held, its next token and one drafted: 10
     assert asyncio.run(run(kv_blocks=9)) == ()  # room for its next token only: no draft
+
+
+def test_a_failed_step_replays_only_accepted_tokens(ckpt):
+    plain, _, _ = asyncio.run(generate(EngineChain(ckpt), 30, speculate=0, sampling=SamplingParams()))
+    chain = EngineChain(ckpt, fail_at=8)  # a step with a draft in flight when its chain fails
+    spec, _, accepted = asyncio.run(generate(chain, 30, speculate=6, sampling=SamplingParams()))
+    assert spec == plain and accepted > 0
+    name, lost, draft = chain.fed[7]
+    assert name == "s" and draft  # the failed step verified a draft
+    replay = next((tokens, draft) for kv, tokens, draft in chain.fed if kv == "s.1")
+    assert replay[0] == tuple(PROMPT) + tuple(spec[: len(replay[0]) - len(PROMPT)])  # accepted tokens only
+    assert replay[0][-len(lost) :] == lost and not replay[1]  # up to the failed step's token, no draft
