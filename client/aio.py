@@ -71,7 +71,7 @@ class AsyncClient:
         """Completes `prompt` and returns the whole answer.
 
         Options (`RequestOptions`): max_tokens, temperature (0 is greedy), top_p, top_k, min_p,
-        repetition_penalty, seed, stop, logprobs; model; timeout (seconds for the whole call);
+        repetition_penalty, seed, stop, logprobs, speculate; model; timeout (seconds for the whole call);
         retries (made again while no token has arrived; the client's by default).
         """
         return wire.completion_from([chunk async for chunk in self.stream(prompt, **options)])
@@ -81,7 +81,7 @@ class AsyncClient:
         finish_reason and usage. Arguments are checked now; the call starts at the first step.
 
         Options (`RequestOptions`): max_tokens, temperature (0 is greedy), top_p, top_k, min_p,
-        repetition_penalty, seed, stop, logprobs; model; timeout (seconds for the whole call);
+        repetition_penalty, seed, stop, logprobs, speculate; model; timeout (seconds for the whole call);
         retries (made again while no token has arrived; the client's by default).
         """
         request, limits = wire.request_of(prompt, options, chat=False, retries=self.retries)
@@ -91,7 +91,7 @@ class AsyncClient:
         """Answers a conversation (`[{"role": "user", "content": "Hi"}, ...]`) in one piece.
 
         Options (`RequestOptions`): max_tokens, temperature (0 is greedy), top_p, top_k, min_p,
-        repetition_penalty, seed, stop, logprobs; model; timeout (seconds for the whole call);
+        repetition_penalty, seed, stop, logprobs, speculate; model; timeout (seconds for the whole call);
         retries (made again while no token has arrived; the client's by default).
         """
         return wire.completion_from([chunk async for chunk in self.chat_stream(messages, **options)])
@@ -102,7 +102,7 @@ class AsyncClient:
         """Answers a conversation, yielding the reply as it is generated (see `stream`).
 
         Options (`RequestOptions`): max_tokens, temperature (0 is greedy), top_p, top_k, min_p,
-        repetition_penalty, seed, stop, logprobs; model; timeout (seconds for the whole call);
+        repetition_penalty, seed, stop, logprobs, speculate; model; timeout (seconds for the whole call);
         retries (made again while no token has arrived; the client's by default).
         """
         request, limits = wire.request_of(messages, options, chat=True, retries=self.retries)

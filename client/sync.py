@@ -84,7 +84,7 @@ class Client:
         """Completes `prompt` and returns the whole answer.
 
         Options (`RequestOptions`): max_tokens, temperature (0 is greedy), top_p, top_k, min_p,
-        repetition_penalty, seed, stop, logprobs; model; timeout (seconds for the whole call);
+        repetition_penalty, seed, stop, logprobs, speculate; model; timeout (seconds for the whole call);
         retries (made again while no token has arrived; the client's by default).
         """
         return wire.completion_from(list(self.stream(prompt, **options)))
@@ -94,7 +94,7 @@ class Client:
         finish_reason and usage. Arguments are checked now; the call starts at the first `next`.
 
         Options (`RequestOptions`): max_tokens, temperature (0 is greedy), top_p, top_k, min_p,
-        repetition_penalty, seed, stop, logprobs; model; timeout (seconds for the whole call);
+        repetition_penalty, seed, stop, logprobs, speculate; model; timeout (seconds for the whole call);
         retries (made again while no token has arrived; the client's by default).
         """
         request, limits = wire.request_of(prompt, options, chat=False, retries=self.retries)
@@ -104,7 +104,7 @@ class Client:
         """Answers a conversation (`[{"role": "user", "content": "Hi"}, ...]`) in one piece.
 
         Options (`RequestOptions`): max_tokens, temperature (0 is greedy), top_p, top_k, min_p,
-        repetition_penalty, seed, stop, logprobs; model; timeout (seconds for the whole call);
+        repetition_penalty, seed, stop, logprobs, speculate; model; timeout (seconds for the whole call);
         retries (made again while no token has arrived; the client's by default).
         """
         return wire.completion_from(list(self.chat_stream(messages, **options)))
@@ -113,7 +113,7 @@ class Client:
         """Answers a conversation, yielding the reply as it is generated (see `stream`).
 
         Options (`RequestOptions`): max_tokens, temperature (0 is greedy), top_p, top_k, min_p,
-        repetition_penalty, seed, stop, logprobs; model; timeout (seconds for the whole call);
+        repetition_penalty, seed, stop, logprobs, speculate; model; timeout (seconds for the whole call);
         retries (made again while no token has arrived; the client's by default).
         """
         request, limits = wire.request_of(messages, options, chat=True, retries=self.retries)

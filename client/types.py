@@ -31,6 +31,7 @@ class RequestOptions(TypedDict, total=False):
     seed: int | None  # in [0, 2**64): makes a non-greedy draw reproducible, also after a failover
     stop: str | Sequence[str] | None  # end the answer before any of these (non-empty) strings
     logprobs: int | None  # >= 0: each token's logprob, and the n most likely alternatives
+    speculate: int | None  # >= 0: tokens drafted by prompt lookup per step at most; 0 off; the server's if left out
     model: str | None  # the model's name or id; None: the one model the server serves
     timeout: float  # seconds the whole call may take, retries included, > 0; 600 (`wire.GENERATE_TIMEOUT`) if left out
     retries: int  # >= 0: times the call is made again while no token has arrived; the client's `retries` if left out
@@ -128,3 +129,5 @@ class ClusterStatus:
     preemptions: int = 0  # sequences whose KV was freed for an older one's and recomputed later
     stalls: int = 0  # chains that stopped answering steps within their bound; their sequences moved
     prefix_cache_queries: int = 0  # tokens of started sequences looked up in the KV; shared_prefix_tokens were found
+    spec_decode_draft_tokens: int = 0  # tokens drafted by prompt lookup and verified (speculative decoding)
+    spec_decode_accepted_tokens: int = 0  # of those, the ones accepted

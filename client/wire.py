@@ -78,6 +78,7 @@ def request_of(query: object, options: RequestOptions, *, chat: bool, retries: i
         repetition_penalty=_number("repetition_penalty", options.get("repetition_penalty"), low=0.0, low_open=True),
         seed=_integer("seed", options.get("seed"), low=0, high=_UINT64_MAX),
         logprobs=_integer("logprobs", options.get("logprobs"), low=0, high=_UINT32_MAX),
+        speculate=_integer("speculate", options.get("speculate"), low=0, high=_UINT32_MAX),
         stop=_stop_strings(options.get("stop")),
     )
     model = _model(options.get("model"))
@@ -186,6 +187,8 @@ def cluster_from(response: coordinator_pb2.ClusterStatusResponse) -> ClusterStat
         response.preemptions,
         response.stalls,
         response.prefix_cache_queries,
+        response.spec_decode_draft_tokens,
+        response.spec_decode_accepted_tokens,
     )
 
 

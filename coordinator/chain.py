@@ -22,6 +22,7 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import grpc
@@ -34,7 +35,7 @@ from layerline.shared.rpc import aio_channel
 from layerline.shared.wire import sampling_to_wire
 
 from .stall import StallBound, StallPolicy
-from .steps import Outcome, PlannedStep, StepFailed
+from .steps import Outcome, PlannedStep, StepFailed, Token
 from .telemetry import StepSpans
 
 log = logging.getLogger(__name__)
@@ -97,10 +98,12 @@ class ChainClient:
         for s in step.slices:
             seq = header.sequences.add(
                 sequence_id=s.seq.kv_id,
-                positions=range(s.start, s.start + len(s.token_ids)),
-                token_ids=s.token_ids,
+                positions=range(s.start, s.start + len(s.token_ids) + len(s.draft)),
+                token_ids=s.token_ids + s.draft,
                 sample=s.sample,
                 prefix_from=s.prefix_from.kv_id if s.prefix_from is not None else "",
+                draft=len(s.draft),
+                rewind=s.rewind,
             )
             if s.sample:
                 sampling_to_wire(s.seq.sampling, seq.sampling)
@@ -162,9 +165,13 @@ class ChainClient:
                 sequence_id=r.sequence_id,
                 token_id=r.sampled_token_id if r.HasField("sampled_token_id") else None,
                 logprob=r.logprob if r.HasField("logprob") else None,
-                top=tuple((t.token_id, t.logprob) for t in r.top_logprobs),
+                top=_top(r.top_logprobs),
                 error_code=Code.of(r.error.code),
                 error_message=r.error.message,
+                accepted=tuple(
+                    Token(t.token_id, t.logprob if t.HasField("logprob") else None, _top(t.top_logprobs))
+                    for t in r.accepted
+                ),
             )
             for r in result.sequences
         ]
@@ -261,6 +268,10 @@ class ChainClient:
                 call.cancel()
         for channel in self._channels.values():
             await channel.close(None)
+
+
+def _top(logprobs: Iterable[common_pb2.TokenLogprob]) -> tuple[tuple[int, float], ...]:
+    return tuple((t.token_id, t.logprob) for t in logprobs)
 
 
 def _settle(future: asyncio.Future[stage_pb2.StepResult] | None, result: stage_pb2.StepResult) -> None:

@@ -95,6 +95,8 @@ class Cluster:
         self.failovers = 0  # sequences moved off a failed chain, since start
         self.shared_prefix_tokens = 0  # prompt tokens copied from a live or cached sequence's KV, since start
         self.prefix_queries = 0  # tokens of the sequences started, looked up in their chain's KV, since start
+        self.draft_tokens = 0  # tokens drafted by prompt lookup and verified by the chains, since start
+        self.accepted_tokens = 0  # of those, the ones the chains accepted
         self.routing = routing  # "cache": to the chain that holds a new sequence's prefix; "load": the least loaded
         self.last_failover_gap = 0.0  # seconds from a failure to the moved sequence's next token
         self.max_failover_gap = 0.0
@@ -157,6 +159,7 @@ class Cluster:
             on_shared_prefix=self._shared_prefix,
             on_prefix_query=self._prefix_query,
             on_preempted=self._preempted,
+            on_speculated=self._speculated,
         )
         running = RunningChain(replica, workers, client, scheduler)
         holder.append(running)
@@ -222,6 +225,10 @@ class Cluster:
 
     def _preempted(self, seq: Sequence) -> None:
         self.preemptions += 1
+
+    def _speculated(self, drafted: int, accepted: int) -> None:
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
 
     def _prefix_query(self, tokens: int) -> None:
         self.prefix_queries += tokens

@@ -60,6 +60,7 @@ class Generation:
     text: TextModel
     stop: list[str] = field(default_factory=list)
     on_token_at: Callable[[float], None] | None = None  # called with each new token's time (telemetry)
+    speculate: int = 0  # tokens drafted by prompt lookup that a step verifies at most; 0: off
 
     def __post_init__(self) -> None:
         self._events: asyncio.Queue[Event] = asyncio.Queue()
@@ -72,6 +73,8 @@ class Generation:
             sampling=self.sampling,
             on_token=self._on_token,
             on_error=self._on_error,
+            speculate=self.speculate,
+            max_generated=min(self.limits.max_tokens, self.limits.max_context - len(self.prompt_ids)),
         )
         self._pending_ids: list[int] = []
         self._pending_logprobs: list[tuple[float | None, tuple[tuple[int, float], ...]]] = []

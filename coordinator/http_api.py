@@ -167,6 +167,7 @@ class HttpApi:
             encode,
             options.sampling,
             max_tokens=options.max_tokens,
+            speculate=options.speculate,
             stop=options.stop,
             model=options.model,
             metadata=list(request.headers.items()),

@@ -1,7 +1,7 @@
 """OpenAI's request and response shapes, to and from the coordinator's one generation path.
 
 Owns reading a `/v1/completions` or `/v1/chat/completions` body into plain values (the fields
-OpenAI's clients send, and vLLM's extra `top_k`, `min_p`, `repetition_penalty`), refusing what
+OpenAI's clients send, vLLM's extra `top_k`, `min_p`, `repetition_penalty` and layerline's `speculate`), refusing what
 layerline does not serve rather than ignoring it (`n` other than 1, a frequency or presence
 penalty, `echo`, `best_of`, `logit_bias`, `suffix`, tools), and writing the answers and stream
 chunks as OpenAI's clients parse them. The checks of values themselves are `Serving`'s, the same
@@ -52,6 +52,7 @@ class Asked:
     stream: bool
     include_usage: bool
     logprobs: bool  # the answer carries logprobs (the sampled token's, and `sampling.logprobs` alternatives)
+    speculate: int | None = None  # layerline's extra field: tokens drafted per step at most; None: the server's
 
 
 def asked(body: Json, *, chat: bool) -> Asked:
@@ -104,6 +105,7 @@ def asked(body: Json, *, chat: bool) -> Asked:
         stream=stream,
         include_usage=bool(include_usage),
         logprobs=logprobs,
+        speculate=_optional(body, "speculate", int),
     )
 
 

@@ -35,7 +35,7 @@ from layerline.shared.errors import Code
 
 from .prefix_cache import PrefixCache, blocks, longest_prefix
 from .step_plan import StepPlan
-from .steps import Outcome, PlannedStep, Sequence, Slice, StepFailed, StepSender
+from .steps import Outcome, PlannedStep, Sequence, Slice, StepFailed, StepSender, Token
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,7 @@ class ChainScheduler:
         on_shared_prefix: Callable[[int], None] = lambda tokens: None,
         on_prefix_query: Callable[[int], None] = lambda tokens: None,
         on_preempted: Callable[[Sequence], None] = lambda seq: None,
+        on_speculated: Callable[[int, int], None] = lambda drafted, accepted: None,
     ) -> None:
         self.send = send
         self.depth = max(1, depth)
@@ -78,6 +79,7 @@ class ChainScheduler:
         self.on_shared_prefix = on_shared_prefix
         self.on_prefix_query = on_prefix_query  # a sequence starts: its tokens are looked up in the KV
         self.on_preempted = on_preempted
+        self.on_speculated = on_speculated  # a step verified drafted tokens: (drafted, accepted)
         self.sequences: dict[str, Sequence] = {}
         self.held: dict[str, int] = {}  # KV name -> positions it takes on each stage, until freed
         self.in_flight = 0
@@ -258,16 +260,27 @@ class ChainScheduler:
         if outcome.error_code:
             seq.on_error(outcome.error_code, outcome.error_message)
             return
-        seq.fed = s.start + len(s.token_ids)
+        accepted = outcome.accepted
+        if tuple(t.token_id for t in accepted) != s.draft[: len(accepted)]:
+            seq.on_error(Code.INTERNAL, f"the chain accepted tokens it was not drafted for sequence {seq.sequence_id}")
+            return
+        seq.fed = s.start + len(s.token_ids) + len(accepted)
         if s.sample:
             if outcome.token_id is None:
                 seq.on_error(Code.INTERNAL, f"the chain sampled no token for sequence {seq.sequence_id}")
                 return
-            seq.generated.append(outcome.token_id)
             if seq.failed_at is not None:  # the first token after a failover
                 self.on_failover_gap(seq, time.monotonic() - seq.failed_at)
                 seq.failed_at = None
-            seq.on_token(outcome.token_id, outcome.logprob, list(outcome.top))
+            if s.draft:
+                seq.lookup.verified(len(s.draft), len(accepted))
+                self.on_speculated(len(s.draft), len(accepted))
+            for token in (*accepted, Token(outcome.token_id, outcome.logprob, outcome.top)):
+                seq.generated.append(token.token_id)
+                seq.on_token(token.token_id, token.logprob, list(token.top))
+                if seq.done:  # a stop or its length: the accepted tokens after it are not its
+                    seq.fed = min(seq.fed, len(seq.history))
+                    break
 
     def _refused(self, seq: Sequence, message: str) -> None:
         """A stage had no room for a sequence the ledger let through: it holds KV this scheduler

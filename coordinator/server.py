@@ -172,7 +172,9 @@ def _serving(
         max_chat_messages=settings.max_chat_messages,
     )
     observed = CoordinatorTelemetry(telemetry, model_name=model_name)
-    serving = Serving(cluster, text, admission=admission, model_name=model_name, telemetry=observed)
+    serving = Serving(
+        cluster, text, admission=admission, model_name=model_name, telemetry=observed, speculate=settings.speculate
+    )
     observed.watch(
         running=lambda: serving.active,
         waiting=lambda: serving.queued,
@@ -181,6 +183,8 @@ def _serving(
         stalls=lambda: cluster.stalls,
         prefix_queries=lambda: cluster.prefix_queries,
         prefix_hits=lambda: cluster.shared_prefix_tokens,
+        draft_tokens=lambda: cluster.draft_tokens,
+        accepted_tokens=lambda: cluster.accepted_tokens,
     )
     return serving
 

@@ -89,6 +89,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 encode=encode,
                 sampling=sampling_from_wire(params),
                 max_tokens=params.max_tokens if params.HasField("max_tokens") else None,
+                speculate=params.speculate if params.HasField("speculate") else None,
                 stop=list(params.stop),
                 model=model,
                 metadata=context.invocation_metadata(),
@@ -143,6 +144,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             preemptions=self.cluster.preemptions,
             stalls=self.cluster.stalls,
             prefix_cache_queries=self.cluster.prefix_queries,
+            spec_decode_draft_tokens=self.cluster.draft_tokens,
+            spec_decode_accepted_tokens=self.cluster.accepted_tokens,
         )
         for w in registry.workers():
             entry = response.workers.add(

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from asyncio_throttle import Throttler
 
 from layerline.shared.errors import Code, InvalidInput, NoCapacity, Unreachable, status_of
-from layerline.shared.sampling import SamplingParams
+from layerline.shared.sampling import MAX_SPECULATE, SamplingParams
 
 from .cluster import Cluster
 from .generation import Delta, Failed, Finished, Generation, Limits
@@ -60,6 +60,7 @@ class Request:
     encode: Callable[[], Awaitable[list[int]]]  # its prompt or chat to token ids, off the event loop
     sampling: SamplingParams
     max_tokens: int | None = None  # None: the coordinator's default
+    speculate: int | None = None  # tokens drafted per step at most; None: the coordinator's --speculate
     stop: list[str] = field(default_factory=list)
     model: str = ""  # its name or id; "": the one model served
     metadata: Iterable[tuple[str, str | bytes]] | None = None  # the call's headers (trace context)
@@ -77,12 +78,14 @@ class Serving:
         admission: Admission,
         model_name: str,
         telemetry: CoordinatorTelemetry,
+        speculate: int = 0,
     ) -> None:
         self.cluster = cluster
         self.text = text
         self.admission = admission
         self.model_name = model_name
         self.telemetry = telemetry
+        self.speculate = speculate  # tokens drafted per step at most for a request that does not say
         self.encoder = PromptEncoder(text, admission)
         self._slots = asyncio.Semaphore(admission.max_active)
         self._throttler = Throttler(rate_limit=max(1, int(admission.rate_limit)), period=1.0)
@@ -124,6 +127,7 @@ class Serving:
         self, request: Request, sequence_id: str, observed: RequestTelemetry
     ) -> AsyncGenerator[Event, None]:
         sampling, max_tokens, stop = self.checked(request)
+        speculate = self.speculate if request.speculate is None else request.speculate
         observed.set_sampling(sampling, max_tokens=max_tokens)
         if self.queued >= self.admission.max_queued:
             raise QueueFull(
@@ -147,6 +151,7 @@ class Serving:
             text=self.text,
             stop=stop,
             on_token_at=observed.on_token,
+            speculate=speculate,
         )
         observed.admitted(gen.sequence)
         try:
@@ -177,6 +182,8 @@ class Serving:
                 f"stop takes at most {MAX_STOP_STRINGS} strings of 1 to {MAX_STOP_STRING_CHARS} characters"
             )
         request.sampling.check()
+        if request.speculate is not None and not 0 <= request.speculate <= MAX_SPECULATE:
+            raise InvalidInput(f"speculate = {request.speculate} must be in [0, {MAX_SPECULATE}] (0: off)")
         return request.sampling, max_tokens, stop
 
     def _fits(self, ids: list[int], max_tokens: int) -> None:

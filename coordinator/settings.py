@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from layerline.model_store import DEFAULT_MODEL
+from layerline.shared.sampling import MAX_SPECULATE
 from layerline.shared.settings import DEFAULT_MAX_MESSAGE_BYTES, TelemetrySettings, TLSSettings
 
 DEFAULT_PREFIX_CACHE = 0.25  # share of a chain's KV memory that finished sequences may keep as lenders
@@ -32,6 +33,7 @@ class CoordinatorSettings:
     prefix_cache: float = DEFAULT_PREFIX_CACHE  # share of a chain's KV that finished sequences may keep
     routing: str = "cache"  # new sequences go to the chain holding their prefix ("cache") or the least loaded ("load")
     depth: int | None = None  # micro-batches in flight per chain; default: the chain's length
+    speculate: int = 0  # tokens drafted by prompt lookup that each decode step verifies at most; 0: off
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # UTF-8 bytes of a prompt, a chat's contents or rendering
     max_prompt_tokens: int | None = None  # a prompt's tokens at most; default: the model's context length
     max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES  # messages of one chat at most
@@ -70,5 +72,7 @@ class CoordinatorSettings:
             raise ValueError(
                 f"--max-prompt-tokens {self.max_prompt_tokens} must be at least 1 (or left out: the context length)"
             )
+        if not 0 <= self.speculate <= MAX_SPECULATE:
+            raise ValueError(f"--speculate {self.speculate} must be in [0, {MAX_SPECULATE}] (0: off)")
         if self.depth is not None and self.depth < 1:
             raise ValueError(f"--depth {self.depth} must be at least 1 (or left out: the chain's length)")

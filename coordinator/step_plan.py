@@ -58,8 +58,9 @@ class StepPlan:
 
     def add_running(self, seq: Sequence) -> None:
         end = seq.fed + min(len(seq.history) - seq.fed, self.budget)
-        if self._room(seq, self._blocks(end) - self._blocks(seq.kv_tokens)):
-            self._take(seq, seq.fed, end, None)
+        draft = self._draft(seq, end)
+        if self._room(seq, self._blocks(end + len(draft)) - self._blocks(seq.kv_tokens)):
+            self._take(seq, seq.fed, end, None, draft=draft)
         elif self._blocks(end) > (self.sched.kv_blocks or 0):
             self._too_big(seq, len(seq.history))
 
@@ -83,6 +84,19 @@ class StepPlan:
         if sched.share_prefixes:
             sched.on_prefix_query(len(seq.history))
         return True
+
+    def _draft(self, seq: Sequence, end: int) -> tuple[int, ...]:
+        """Tokens guessed by prompt lookup to follow a sequence whose whole history this step feeds:
+        within its `speculate`, the step's token budget and the tokens it may still generate."""
+        if not seq.speculate or end < len(seq.history):
+            return ()
+        k = min(seq.speculate, self.budget - (end - seq.fed))
+        if seq.max_generated is not None:
+            k = min(k, seq.max_generated - len(seq.generated) - 1)
+        draft = tuple(seq.lookup.draft(seq.history, k))
+        if self.free is not None and self._blocks(end + len(draft)) - self._blocks(seq.kv_tokens) > self.free:
+            return ()  # a draft takes free KV only, never another sequence's
+        return draft
 
     def never_fits(self, seq: Sequence) -> bool:
         """Fail `seq` if its history and next token need more KV than the chain's smallest stage holds."""
@@ -148,17 +162,31 @@ class StepPlan:
         self._forget(victim.replace_kv())
         self.sched.on_preempted(victim)
 
-    def _take(self, seq: Sequence, start: int, end: int, donor: Sequence | None) -> None:
+    def _take(
+        self, seq: Sequence, start: int, end: int, donor: Sequence | None, *, draft: tuple[int, ...] = ()
+    ) -> None:
         history = seq.history
-        self.budget -= end - start
+        held = end + len(draft)  # the stages hold the drafted tokens' KV until a later step rewinds it
+        rewind = seq.kv_tokens > start  # they hold KV of drafted tokens that were rejected
+        self.budget -= held - start
         if self.free is not None:
-            self.free -= self._blocks(end) - self._blocks(seq.kv_tokens)
-        seq.kv_tokens = end
-        self.sched.held[seq.kv_id] = end
+            self.free -= self._blocks(held) - self._blocks(seq.kv_tokens)
+        seq.kv_tokens = held
+        self.sched.held[seq.kv_id] = held
         self.planned.add(seq.sequence_id)
         if donor is not None:
             self.planned.add(donor.sequence_id)
-        self.slices.append(Slice(seq, start, tuple(history[start:end]), sample=end == len(history), prefix_from=donor))
+        self.slices.append(
+            Slice(
+                seq,
+                start,
+                tuple(history[start:end]),
+                sample=end == len(history),
+                prefix_from=donor,
+                draft=draft,
+                rewind=rewind,
+            )
+        )
 
     def step(self) -> PlannedStep | None:
         if not self.slices:  # nothing runs: what it would have freed waits for the next step

@@ -17,6 +17,8 @@ from typing import Protocol
 from layerline.shared.errors import Code
 from layerline.shared.sampling import SamplingParams
 
+from .prompt_lookup import PromptLookup
+
 _arrivals = itertools.count()
 
 
@@ -44,6 +46,9 @@ class Sequence:
     arrival: int = field(default_factory=lambda: next(_arrivals))  # admission order: the youngest yields first
     failed_at: float | None = None  # when its chain failed, until its next token arrives
     trace_context: dict[str, str] = field(default_factory=dict)
+    speculate: int = 0  # tokens drafted by prompt lookup that a step may verify at most; 0: off
+    max_generated: int | None = None  # tokens it may generate at most (no draft runs past them)
+    lookup: PromptLookup = field(default_factory=PromptLookup)  # its history's n-grams, for drafts
 
     @property
     def history(self) -> list[int]:
@@ -69,6 +74,8 @@ class Slice:
     token_ids: tuple[int, ...]
     sample: bool  # the chain samples the token after this slice
     prefix_from: Sequence | None = None  # whose KV of positions [0, start) each stage copies first
+    draft: tuple[int, ...] = ()  # tokens guessed after token_ids, fed with them for the last stage to verify
+    rewind: bool = False  # the stages hold KV past `start` (of rejected drafted tokens): they drop it first
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,15 @@ class PlannedStep:
     slices: tuple[Slice, ...]
     release: tuple[str, ...] = ()  # KV (by name) each stage frees before this step's work
     alone: bool = False  # no other step of the chain is in flight: a large one may take more cores
+
+
+@dataclass(frozen=True)
+class Token:
+    """One token the chain chose, with its logprobs when they were asked for."""
+
+    token_id: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -88,6 +104,7 @@ class Outcome:
     top: tuple[tuple[int, float], ...] = ()
     error_code: Code = Code.OK
     error_message: str = ""
+    accepted: tuple[Token, ...] = ()  # drafted tokens the chain accepted, before `token_id`
 
 
 class StepSender(Protocol):

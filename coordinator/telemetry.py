@@ -97,6 +97,8 @@ class CoordinatorTelemetry:
         stalls: Callable[[], int] = lambda: 0,
         prefix_queries: Callable[[], int] = lambda: 0,
         prefix_hits: Callable[[], int] = lambda: 0,
+        draft_tokens: Callable[[], int] = lambda: 0,
+        accepted_tokens: Callable[[], int] = lambda: 0,
     ) -> None:
         """Gauges read at each scrape: requests generating, requests waiting for a slot; counters
         of failovers, preemptions and stalled chains."""
@@ -121,6 +123,8 @@ class CoordinatorTelemetry:
             ("layerline_chain_stalls", stalls, "{chain}", "Chains that stopped answering steps within their bound"),
             ("layerline_prefix_cache_queries", prefix_queries, "{token}", "Tokens of started sequences looked up"),
             ("layerline_prefix_cache_hits", prefix_hits, "{token}", "Tokens found in the KV and copied, not computed"),
+            ("layerline_spec_decode_num_draft_tokens", draft_tokens, "{token}", "Tokens drafted and verified"),
+            ("layerline_spec_decode_num_accepted_tokens", accepted_tokens, "{token}", "Drafted tokens accepted"),
         )
         for name, read, unit, description in gauges:
             self.meter.create_observable_gauge(name, [reading(read)], unit=unit, description=description)

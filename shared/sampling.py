@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from .errors import InvalidInput
 
 MAX_LOGPROBS = 20
+MAX_SPECULATE = 16  # tokens drafted for speculative decoding that one step may verify, at most
 
 
 @dataclass(frozen=True)

@@ -168,6 +168,11 @@ def _draw_results(step: ReceivedStep, out: StepOutput) -> dict[str, stage_pb2.Se
             if draw.logprob is not None:
                 result.logprob = draw.logprob
                 result.top_logprobs.extend(common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in draw.top)
+            for accepted in out.accepted.get(seq.sequence_id, ()):
+                token = result.accepted.add(token_id=accepted.token_id)
+                if accepted.logprob is not None:
+                    token.logprob = accepted.logprob
+                    token.top_logprobs.extend(common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in accepted.top)
         results[seq.sequence_id] = result
     return results
 

@@ -3,9 +3,11 @@
 Owns the `StageModel`, its `PagedKVCache`, when a step last touched each sequence it holds
 (monotonic seconds: the sequences a step names and those it copies a prefix from, whether or
 not they ran) and the rules a step must satisfy. A step is checked
-sequence by sequence: a sequence that breaks a rule (positions that skip or repeat, token ids
-outside the vocabulary, an unknown sequence, a cache that cannot hold it) is dropped from the
-step with a typed error while the others run. Works on plain dataclasses and tensors; the
+sequence by sequence: a sequence that breaks a rule (positions that skip, or repeat without
+`rewind`, token ids outside the vocabulary, an unknown sequence, a cache that cannot hold it) is
+dropped from the step with a typed error while the others run. A sequence may end with drafted
+tokens: the last stage verifies them (`speculation`) and drops the KV of those it rejects; the
+other stages drop it when the next step rewinds. Works on plain dataclasses and tensors; the
 servicer turns wire frames into these and back.
 
 Knows nothing of gRPC, of the next hop or of which requests the sequences belong to.
@@ -26,6 +28,7 @@ from layerline.shared.sampling import SamplingParams
 from .kv_cache import KVCacheExhausted, PagedKVCache
 from .llama import StageModel
 from .sampler import Draw, sample
+from .speculation import logit_rows, verify
 
 SMALL_STEP_TOKENS = 4  # a step of at most this many tokens alone on its stage may run inline (compute.py)
 
@@ -42,6 +45,8 @@ class SequenceStep:
     sampling: SamplingParams | None = None  # what the last stage samples with
     history: tuple[int, ...] = ()  # token ids so far, for the repetition penalty
     prefix_from: str = ""  # a sequence whose KV of positions [0, positions[0]) is copied first
+    draft: int = 0  # the last `draft` token ids are drafted: the last stage verifies them
+    rewind: bool = False  # positions[0] may be below what the cache holds: the KV past it is dropped
 
     @property
     def num_tokens(self) -> int:
@@ -59,6 +64,7 @@ class StepOutput:
     kept: list[SequenceStep]  # the sequences that ran, in packed order
     hidden: torch.Tensor | None = None  # [T, hidden] of the kept sequences (not the last stage)
     draws: dict[str, Draw] = field(default_factory=dict)  # sequence id -> token (last stage)
+    accepted: dict[str, tuple[Draw, ...]] = field(default_factory=dict)  # drafted tokens accepted, before draws'
     errors: list[SequenceError] = field(default_factory=list)
 
 
@@ -198,7 +204,7 @@ class StageEngine:
                     self._check_sequence(seq, held=seq.positions[0])
                     self.cache.copy_prefix(seq.prefix_from, seq.sequence_id, seq.positions[0], room_for=n)
                 else:
-                    self._check_sequence(seq)
+                    self._check_sequence(seq, held=self._rewound(seq))
                 self.cache.reserve(seq.sequence_id, n)
                 self._chains[seq.sequence_id] = chain
             except (StepInputError, KVCacheExhausted) as err:
@@ -226,9 +232,17 @@ class StageEngine:
         if not self.is_last:
             out.hidden = self.model(inputs, cache=self.cache, layout=layout)
             return out
-        logits = self.model(inputs, cache=self.cache, layout=layout, logit_rows=layout.last_rows())
-        if not self.samples:
-            return out
+        drafts = [s.draft for s in out.kept]
+        wanted = logit_rows(layout.seq_lens, drafts) if any(drafts) else layout.last_rows()
+        logits = self.model(inputs, cache=self.cache, layout=layout, logit_rows=wanted)
+        if self.samples:
+            self._sample(out, logits)
+        return out
+
+    def _sample(self, out: StepOutput, logits: torch.Tensor) -> None:
+        if any(s.draft for s in out.kept):
+            self._verify(out, logits)
+            return
         params = [s.sampling or SamplingParams() for s in out.kept]
         draws = sample(
             logits,
@@ -237,7 +251,34 @@ class StageEngine:
             positions=[s.positions[-1] + 1 for s in out.kept],
         )
         out.draws = {s.sequence_id: d for s, d in zip(out.kept, draws)}
-        return out
+
+    def _verify(self, out: StepOutput, logits: torch.Tensor) -> None:
+        """Draw after each drafted token, accept while they agree, and drop the rejected ones' KV."""
+        kept = out.kept
+        verified = verify(
+            logits,
+            params=[s.sampling or SamplingParams() for s in kept],
+            drafted=[s.token_ids[len(s.token_ids) - s.draft :] for s in kept],
+            histories=[s.history for s in kept],
+            next_positions=[s.positions[-1] + 1 - s.draft for s in kept],
+        )
+        for seq, draws in zip(kept, verified):
+            out.draws[seq.sequence_id] = draws[-1]
+            if seq.draft:
+                out.accepted[seq.sequence_id] = draws[:-1]
+                self.cache.truncate(seq.sequence_id, seq.positions[-1] + 1 - seq.draft + len(draws) - 1)
+
+    def _rewound(self, seq: SequenceStep) -> int | None:
+        """Drop the KV a rewinding sequence holds from its positions[0] on (drafted tokens that were
+        rejected); what it holds then. None when it does not rewind, or starts past what it holds
+        (which `_check_sequence` refuses)."""
+        if not seq.rewind or not seq.positions or seq.sequence_id not in self.cache:
+            return None
+        start = seq.positions[0]
+        if not 0 <= start <= self.cache.length(seq.sequence_id):
+            return None
+        self.cache.truncate(seq.sequence_id, start)
+        return start
 
     def _check_step(self, seqs: Sequence[SequenceStep], hidden: torch.Tensor | None) -> None:
         total = sum(s.num_tokens for s in seqs)
@@ -319,6 +360,16 @@ class StageEngine:
                 raise StepInputError(
                     f"sequence {sid!r} token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})"
                 )
+        if seq.draft and (seq.draft >= seq.num_tokens or (self.is_last and seq.sampling is None)):
+            raise StepInputError(
+                f"sequence {sid!r} draft = {seq.draft}: needs sample set and fewer drafted tokens than its "
+                f"{seq.num_tokens} positions"
+            )
+        if seq.draft and self.is_last and len(seq.token_ids) != seq.num_tokens:
+            raise StepInputError(
+                f"sequence {sid!r} draft = {seq.draft}: the last stage needs a token id at each of its "
+                f"{seq.num_tokens} positions, got {len(seq.token_ids)}"
+            )
         if self.is_last and seq.sampling is not None:
             try:
                 seq.sampling.check()

@@ -259,6 +259,8 @@ def _sequence_step(msg: stage_pb2.SequenceInput, *, last: bool) -> SequenceStep:
         sampling=sampling,
         history=tuple(msg.history_token_ids) if sampling is not None else (),  # only sampling reads it
         prefix_from=msg.prefix_from,
+        draft=msg.draft,
+        rewind=msg.rewind,
     )
 
 

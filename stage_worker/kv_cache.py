@@ -168,6 +168,16 @@ class PagedKVCache:
                 pool.index_copy_(0, dst, pool.index_select(0, src))
         self._lengths[target] = length
 
+    def truncate(self, sequence_id: str, length: int) -> None:
+        """Keep only a sequence's first `length` tokens (drafted ones past them were rejected);
+        the blocks no longer needed go back to the pool."""
+        assert 0 <= length <= self.length(sequence_id)
+        table = self._tables[sequence_id]
+        keep = -(-length // self.shape.block_size)
+        self._free.extend(reversed(table[keep:]))
+        del table[keep:]
+        self._lengths[sequence_id] = length
+
     def release(self, sequence_id: str) -> bool:
         """Give a sequence's blocks back to the pool; False when it held none."""
         table = self._tables.pop(sequence_id, None)

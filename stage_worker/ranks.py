@@ -87,7 +87,13 @@ class _Wire:
 def _steps_out(wire: _Wire, seqs: Sequence[SequenceStep]) -> None:
     wire.strings([s.sequence_id for s in seqs])
     wire.strings([s.prefix_from for s in seqs])
-    wire.ints([n for s in seqs for n in (len(s.positions), len(s.token_ids), len(s.history), s.sampling is not None)])
+    wire.ints(
+        [
+            n
+            for s in seqs
+            for n in (len(s.positions), len(s.token_ids), len(s.history), s.sampling is not None, s.draft, s.rewind)
+        ]
+    )
     wire.ints([x for s in seqs for x in (*s.positions, *s.token_ids, *s.history)])
     wire.floats([x for s in seqs if s.sampling is not None for x in _sampling_floats(s.sampling)])
 
@@ -100,7 +106,7 @@ def _steps_in(wire: _Wire) -> list[SequenceStep]:
     floats = wire.floats()
     seqs, at, fat = [], 0, 0
     for i, sid in enumerate(ids):
-        n_pos, n_tok, n_hist, sampled = shape[4 * i : 4 * i + 4]
+        n_pos, n_tok, n_hist, sampled, draft, rewind = shape[6 * i : 6 * i + 6]
         positions = tuple(flat[at : at + n_pos])
         tokens = tuple(flat[at + n_pos : at + n_pos + n_tok])
         history = tuple(flat[at + n_pos + n_tok : at + n_pos + n_tok + n_hist])
@@ -109,7 +115,7 @@ def _steps_in(wire: _Wire) -> list[SequenceStep]:
         if sampled:
             sampling = _sampling_from(floats[fat : fat + 7])
             fat += 7
-        seqs.append(SequenceStep(sid, positions, tokens, sampling, history, prefix_from[i]))
+        seqs.append(SequenceStep(sid, positions, tokens, sampling, history, prefix_from[i], draft, bool(rewind)))
     return seqs
 
 

@@ -125,6 +125,7 @@ def test_every_param_and_the_model_reach_the_server(client: Client, coordinator:
         seed=2**64 - 1,
         stop=["\n\n", "END"],
         logprobs=2,
+        speculate=4,
         model="smollm2",
     )
     client.generate("Once upon a time", stop="END", top_k=0)
@@ -140,8 +141,10 @@ def test_every_param_and_the_model_reach_the_server(client: Client, coordinator:
         seed=2**64 - 1,
         stop=["\n\n", "END"],
         logprobs=2,
+        speculate=4,
     )
     assert list(second.sampling.stop) == ["END"]
+    assert not second.sampling.HasField("speculate")  # the coordinator's --speculate
     assert second.sampling.HasField("top_k") and second.sampling.top_k == 0
 
 
@@ -427,7 +430,7 @@ def test_bad_arguments_raise_before_anything_is_sent(
 
 OPTIONS_HINT = (
     "the options are max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed, stop, logprobs, "
-    "model, timeout, retries"
+    "speculate, model, timeout, retries"
 )
 
 

@@ -34,6 +34,10 @@ def test_a_chat_body_becomes_sampling_limits_and_stream_options() -> None:
     assert (s.temperature, s.top_p, s.top_k, s.seed, s.logprobs) == (0.5, 0.9, 0, 3, 2)
     completion = asked({"prompt": "x", "logprobs": 0}, chat=False)
     assert completion.logprobs and completion.sampling.logprobs == 0 and completion.sampling.temperature == 1.0
+    assert completion.speculate is None  # the coordinator's --speculate
+    assert asked({"prompt": "x", "speculate": 4}, chat=False).speculate == 4  # layerline's extra field
+    with pytest.raises(InvalidInput, match="speculate must be an integer"):
+        asked({"prompt": "x", "speculate": "4"}, chat=False)
 
 
 @pytest.mark.parametrize(

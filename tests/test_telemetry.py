@@ -385,6 +385,8 @@ def test_prometheus_histograms_count_the_requests_that_were_made(traced):
     assert value(coordinator, "layerline_failovers", "layerline_failovers_total") == 0
     assert value(coordinator, "layerline_num_preemptions", "layerline_num_preemptions_total") == 0
     assert value(coordinator, "layerline_chain_stalls", "layerline_chain_stalls_total") == 0
+    for spec in ("layerline_spec_decode_num_draft_tokens", "layerline_spec_decode_num_accepted_tokens"):
+        assert value(coordinator, spec, f"{spec}_total") == 0  # --speculate is off
     assert value(coordinator, "layerline_num_requests_waiting") == 0
     assert "layerline_num_requests_running" in coordinator
 

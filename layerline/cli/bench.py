@@ -113,6 +113,33 @@ def _run_bench_routing(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_bench_speculate(args: argparse.Namespace) -> int:
+    import json
+    import tempfile
+    from dataclasses import asdict
+
+    from layerline.bench.speculate import measure, table
+    from layerline.model_store import ModelStoreError, resolve_model
+
+    with reported_as_errors(ModelStoreError, RuntimeError, TimeoutError):
+        figures = measure(
+            resolve_model(args.model),
+            port=args.port,
+            log_dir=Path(tempfile.mkdtemp(prefix="layerline-speculate-")),
+            speculate=args.speculate,
+            stages=args.stages,
+            dtype=args.dtype,
+            new_tokens=args.new_tokens,
+            rounds=args.rounds,
+            log=lambda m: print(f"[speculate] {m}", file=sys.stderr, flush=True),
+        )
+    print(table(figures), end="")
+    print(json.dumps(asdict(figures), indent=2))
+    if args.json is not None:
+        args.json.write_text(json.dumps(asdict(figures), indent=2) + "\n")
+    return 0
+
+
 def _run_bench(args: argparse.Namespace) -> int:
     from layerline.bench.run import run_bench
     from layerline.model_store import ModelStoreError, resolve_model
@@ -231,6 +258,35 @@ def add_bench_commands(commands: Subcommands) -> None:
     )
     routing.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the figures here")
     routing.set_defaults(handler=_run_bench_routing)
+    _add_speculate(studies)
+
+
+def _add_speculate(studies: Subcommands) -> None:
+    spec = studies.add_parser(
+        "speculate",
+        help="speculative decoding by prompt lookup against plain decoding, on quoting and ordinary prompts",
+        description="Start one cluster whose coordinator runs with --speculate K and send each prompt of two "
+        "workloads, one request at a time, with speculate=0 and with K in turn (alternating which goes first): "
+        "4 prompts whose answers quote and edit them (code with a name changed, a paragraph copied) and 4 "
+        "ordinary ones. Prints, for each workload, the decode rate of both (tokens after the first over the time "
+        "after the first token), their ratio (budgets: >= 1.8x quoting, >= 0.95x ordinary) and the share of "
+        "drafted tokens accepted, as a table and as JSON; raises if speculation changed a greedy answer.",
+        formatter_class=HelpFormatter,
+    )
+    add_model_flags(spec)
+    spec.add_argument("--port", type=int, default=7570, metavar="P", help="the coordinator's port (default: 7570)")
+    spec.add_argument(
+        "--speculate", type=_positive(int), default=8, metavar="K", help="tokens drafted per step at most (default: 8)"
+    )
+    spec.add_argument("--stages", type=_positive(int), default=1, metavar="P", help="pipeline stages (default: 1)")
+    spec.add_argument(
+        "--new-tokens", type=_positive(int), default=64, metavar="N", help="tokens per request (default: 64)"
+    )
+    spec.add_argument(
+        "--rounds", type=_positive(int), default=2, metavar="N", help="rounds of each prompt (default: 2)"
+    )
+    spec.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the figures here")
+    spec.set_defaults(handler=_run_bench_speculate)
 
 
 def _run_bench_quantize(args: argparse.Namespace) -> int:

@@ -24,6 +24,7 @@ from .support import (
     client_credentials,
     http_port_flag,
     reported_as_errors,
+    speculate_flag,
     telemetry_settings,
 )
 
@@ -49,6 +50,7 @@ def _cluster_flags(p: argparse.ArgumentParser) -> None:
     add_model_flags(p)
     add_quantize_flag(p)
     http_port_flag(p)
+    speculate_flag(p)
     plan = ClusterPlan
     p.add_argument(
         "--stages",
@@ -136,6 +138,7 @@ def _start_cluster(args: argparse.Namespace, *, restarts: RestartPolicy = Cluste
             restarts=restarts,
             http_port=args.http_port,
             split=args.split,
+            coordinator_args=("--speculate", str(args.speculate)),
         )
         cluster = LocalCluster(plan, checkpoint)  # checks (and with --split measured, measures) the split first
     print(
@@ -284,7 +287,8 @@ def _run_status(args: argparse.Namespace) -> int:
         f"{status.failovers} failover(s) (gap last {status.last_failover_gap_seconds:.2f}s, "
         f"max {status.max_failover_gap_seconds:.2f}s), {status.shared_prefix_tokens} prompt token(s) "
         f"copied from another sequence's KV (of {status.prefix_cache_queries} looked up), "
-        f"{status.preemptions} preemption(s), {status.stalls} stalled chain(s)"
+        f"{status.preemptions} preemption(s), {status.stalls} stalled chain(s), "
+        f"{status.spec_decode_accepted_tokens} of {status.spec_decode_draft_tokens} drafted token(s) accepted"
     )
     for chain in status.chains:
         print(

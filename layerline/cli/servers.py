@@ -17,6 +17,7 @@ from .support import (
     configure_logging,
     http_port_flag,
     reported_as_errors,
+    speculate_flag,
     telemetry_settings,
     tls_settings,
 )
@@ -237,6 +238,7 @@ def _run_coordinator(args: argparse.Namespace) -> int:
             share_prefixes=not args.no_prefix_sharing,
             prefix_cache=args.prefix_cache,
             routing=args.routing,
+            speculate=args.speculate,
             depth=args.depth,
             max_prompt_bytes=parse_size(args.max_prompt_bytes),
             max_prompt_tokens=args.max_prompt_tokens,
@@ -381,6 +383,7 @@ def add_coordinator_commands(commands: Subcommands) -> None:
         "cached sequences hold the longest prefix of its prompt unless that chain runs 8 more sequences "
         "than the least loaded one; load, always to the least loaded (default: %(default)s)",
     )
+    speculate_flag(c, default=C.speculate)
     _health_port_flag(c)
     http_port_flag(c)
     add_tls_flags(c, who="the Registry (the cluster port)")

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TypeAlias
 
+from layerline.shared.sampling import MAX_SPECULATE
 from layerline.shared.settings import TRACE_MODES, TelemetrySettings, TLSSettings, configure_logging
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "configure_logging",
     "http_port_flag",
     "reported_as_errors",
+    "speculate_flag",
     "telemetry_settings",
     "tls_settings",
 ]
@@ -153,4 +155,18 @@ def http_port_flag(p: argparse.ArgumentParser) -> None:
         "POST /v1/chat/completions, GET /v1/models, GET /health (200 while a complete chain serves), and "
         "GET /metrics with --metrics-port; the same tokens and the same TLS certificate as the gRPC API "
         "(default: off; vLLM's port is 8000)",
+    )
+
+
+def speculate_flag(p: argparse.ArgumentParser, *, default: int = 0) -> None:
+    p.add_argument(
+        "--speculate",
+        type=int,
+        default=default,
+        metavar="K",
+        help="speculative decoding by prompt lookup: each decode step drafts up to K tokens (what followed the "
+        "latest earlier occurrence of the sequence's last 1 to 3 tokens, in its prompt or output) and the chain "
+        "verifies them in one forward, so an answer that quotes or edits its prompt takes fewer steps; greedy and "
+        "seeded output stay token for token the same. A request's `speculate` overrides it. "
+        f"0 is off, at most {MAX_SPECULATE} (default: %(default)s)",
     )

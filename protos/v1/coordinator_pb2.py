@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from layerline.protos.v1 import common_pb2 as layerline_dot_protos_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%layerline/protos/v1/coordinator.proto\x12\x0clayerline.v1\x1a layerline/protos/v1/common.proto\"`\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.layerline.v1.SamplingParams\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"y\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.layerline.v1.ChatMessage\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.layerline.v1.SamplingParams\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\"R\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x30\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\x1a.layerline.v1.TokenLogprob\"\xb9\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.layerline.v1.TokenLogprobs\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.layerline.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.layerline.v1.Usage\"\x13\n\x11ListModelsRequest\"]\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x16\n\x0eready_replicas\x18\x04 \x01(\x05\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.layerline.v1.ModelInfo\"\x16\n\x14\x43lusterStatusRequest\"\x96\x01\n\rClusterWorker\x12(\n\x06worker\x18\x01 \x01(\x0b\x32\x18.layerline.v1.WorkerInfo\x12\x14\n\x07replica\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x1f\n\x17seconds_since_heartbeat\x18\x03 \x01(\x01\x12\x18\n\x10kv_blocks_cached\x18\x04 \x01(\x03\x42\n\n\x08_replica\"\x8e\x01\n\x05\x43hain\x12\x0f\n\x07replica\x18\x01 \x01(\x05\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x11\n\taddresses\x18\x03 \x03(\t\x12\x18\n\x10\x61\x63tive_sequences\x18\x04 \x01(\x05\x12\x17\n\x0f\x63\x61\x63hed_prefixes\x18\x05 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prefix_tokens\x18\x06 \x01(\x03\"\xd5\x02\n\x15\x43lusterStatusResponse\x12,\n\x07workers\x18\x01 \x03(\x0b\x32\x1b.layerline.v1.ClusterWorker\x12#\n\x06\x63hains\x18\x02 \x03(\x0b\x32\x13.layerline.v1.Chain\x12\x17\n\x0f\x61\x63tive_requests\x18\x03 \x01(\x05\x12\x17\n\x0fqueued_requests\x18\x04 \x01(\x05\x12\x11\n\tfailovers\x18\x05 \x01(\x03\x12!\n\x19last_failover_gap_seconds\x18\x06 \x01(\x01\x12 \n\x18max_failover_gap_seconds\x18\x07 \x01(\x01\x12\x1c\n\x14shared_prefix_tokens\x18\x08 \x01(\x03\x12\x13\n\x0bpreemptions\x18\t \x01(\x03\x12\x0e\n\x06stalls\x18\n \x01(\x03\x12\x1c\n\x14prefix_cache_queries\x18\x0b \x01(\x03\";\n\x0fRegisterRequest\x12(\n\x06worker\x18\x01 \x01(\x0b\x32\x18.layerline.v1.WorkerInfo\"S\n\x10RegisterResponse\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\r\x12\r\n\x05known\x18\x02 \x01(\x08\x12\x11\n\troute_key\x18\x03 \x01(\x0c\"<\n\x10HeartbeatRequest\x12(\n\x06worker\x18\x01 \x01(\x0b\x32\x18.layerline.v1.WorkerInfo\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"I\n\x11\x44\x65registerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x14\n\x12\x44\x65registerResponse*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xca\x02\n\x0b\x43oordinator\x12K\n\x08Generate\x12\x1d.layerline.v1.GenerateRequest\x1a\x1e.layerline.v1.GenerateResponse0\x01\x12\x43\n\x04\x43hat\x12\x19.layerline.v1.ChatRequest\x1a\x1e.layerline.v1.GenerateResponse0\x01\x12O\n\nListModels\x12\x1f.layerline.v1.ListModelsRequest\x1a .layerline.v1.ListModelsResponse\x12X\n\rClusterStatus\x12\".layerline.v1.ClusterStatusRequest\x1a#.layerline.v1.ClusterStatusResponse2\xf4\x01\n\x08Registry\x12I\n\x08Register\x12\x1d.layerline.v1.RegisterRequest\x1a\x1e.layerline.v1.RegisterResponse\x12L\n\tHeartbeat\x12\x1e.layerline.v1.HeartbeatRequest\x1a\x1f.layerline.v1.HeartbeatResponse\x12O\n\nDeregister\x12\x1f.layerline.v1.DeregisterRequest\x1a .layerline.v1.DeregisterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%layerline/protos/v1/coordinator.proto\x12\x0clayerline.v1\x1a layerline/protos/v1/common.proto\"`\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.layerline.v1.SamplingParams\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"y\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.layerline.v1.ChatMessage\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.layerline.v1.SamplingParams\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\"R\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x30\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\x1a.layerline.v1.TokenLogprob\"\xb9\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.layerline.v1.TokenLogprobs\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.layerline.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.layerline.v1.Usage\"\x13\n\x11ListModelsRequest\"]\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x16\n\x0eready_replicas\x18\x04 \x01(\x05\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.layerline.v1.ModelInfo\"\x16\n\x14\x43lusterStatusRequest\"\x96\x01\n\rClusterWorker\x12(\n\x06worker\x18\x01 \x01(\x0b\x32\x18.layerline.v1.WorkerInfo\x12\x14\n\x07replica\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x1f\n\x17seconds_since_heartbeat\x18\x03 \x01(\x01\x12\x18\n\x10kv_blocks_cached\x18\x04 \x01(\x03\x42\n\n\x08_replica\"\x8e\x01\n\x05\x43hain\x12\x0f\n\x07replica\x18\x01 \x01(\x05\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x11\n\taddresses\x18\x03 \x03(\t\x12\x18\n\x10\x61\x63tive_sequences\x18\x04 \x01(\x05\x12\x17\n\x0f\x63\x61\x63hed_prefixes\x18\x05 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prefix_tokens\x18\x06 \x01(\x03\"\x9c\x03\n\x15\x43lusterStatusResponse\x12,\n\x07workers\x18\x01 \x03(\x0b\x32\x1b.layerline.v1.ClusterWorker\x12#\n\x06\x63hains\x18\x02 \x03(\x0b\x32\x13.layerline.v1.Chain\x12\x17\n\x0f\x61\x63tive_requests\x18\x03 \x01(\x05\x12\x17\n\x0fqueued_requests\x18\x04 \x01(\x05\x12\x11\n\tfailovers\x18\x05 \x01(\x03\x12!\n\x19last_failover_gap_seconds\x18\x06 \x01(\x01\x12 \n\x18max_failover_gap_seconds\x18\x07 \x01(\x01\x12\x1c\n\x14shared_prefix_tokens\x18\x08 \x01(\x03\x12\x13\n\x0bpreemptions\x18\t \x01(\x03\x12\x0e\n\x06stalls\x18\n \x01(\x03\x12\x1c\n\x14prefix_cache_queries\x18\x0b \x01(\x03\x12 \n\x18spec_decode_draft_tokens\x18\x0c \x01(\x03\x12#\n\x1bspec_decode_accepted_tokens\x18\r \x01(\x03\";\n\x0fRegisterRequest\x12(\n\x06worker\x18\x01 \x01(\x0b\x32\x18.layerline.v1.WorkerInfo\"S\n\x10RegisterResponse\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\r\x12\r\n\x05known\x18\x02 \x01(\x08\x12\x11\n\troute_key\x18\x03 \x01(\x0c\"<\n\x10HeartbeatRequest\x12(\n\x06worker\x18\x01 \x01(\x0b\x32\x18.layerline.v1.WorkerInfo\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"I\n\x11\x44\x65registerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x14\n\x12\x44\x65registerResponse*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xca\x02\n\x0b\x43oordinator\x12K\n\x08Generate\x12\x1d.layerline.v1.GenerateRequest\x1a\x1e.layerline.v1.GenerateResponse0\x01\x12\x43\n\x04\x43hat\x12\x19.layerline.v1.ChatRequest\x1a\x1e.layerline.v1.GenerateResponse0\x01\x12O\n\nListModels\x12\x1f.layerline.v1.ListModelsRequest\x1a .layerline.v1.ListModelsResponse\x12X\n\rClusterStatus\x12\".layerline.v1.ClusterStatusRequest\x1a#.layerline.v1.ClusterStatusResponse2\xf4\x01\n\x08Registry\x12I\n\x08Register\x12\x1d.layerline.v1.RegisterRequest\x1a\x1e.layerline.v1.RegisterResponse\x12L\n\tHeartbeat\x12\x1e.layerline.v1.HeartbeatRequest\x1a\x1f.layerline.v1.HeartbeatResponse\x12O\n\nDeregister\x12\x1f.layerline.v1.DeregisterRequest\x1a .layerline.v1.DeregisterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'layerline.protos.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1873
-  _globals['_FINISHREASON']._serialized_end=1968
+  _globals['_FINISHREASON']._serialized_start=1944
+  _globals['_FINISHREASON']._serialized_end=2039
   _globals['_GENERATEREQUEST']._serialized_start=89
   _globals['_GENERATEREQUEST']._serialized_end=185
   _globals['_CHATMESSAGE']._serialized_start=187
@@ -59,21 +59,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHAIN']._serialized_start=1044
   _globals['_CHAIN']._serialized_end=1186
   _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=1189
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=1530
-  _globals['_REGISTERREQUEST']._serialized_start=1532
-  _globals['_REGISTERREQUEST']._serialized_end=1591
-  _globals['_REGISTERRESPONSE']._serialized_start=1593
-  _globals['_REGISTERRESPONSE']._serialized_end=1676
-  _globals['_HEARTBEATREQUEST']._serialized_start=1678
-  _globals['_HEARTBEATREQUEST']._serialized_end=1738
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1740
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1774
-  _globals['_DEREGISTERREQUEST']._serialized_start=1776
-  _globals['_DEREGISTERREQUEST']._serialized_end=1849
-  _globals['_DEREGISTERRESPONSE']._serialized_start=1851
-  _globals['_DEREGISTERRESPONSE']._serialized_end=1871
-  _globals['_COORDINATOR']._serialized_start=1971
-  _globals['_COORDINATOR']._serialized_end=2301
-  _globals['_REGISTRY']._serialized_start=2304
-  _globals['_REGISTRY']._serialized_end=2548
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=1601
+  _globals['_REGISTERREQUEST']._serialized_start=1603
+  _globals['_REGISTERREQUEST']._serialized_end=1662
+  _globals['_REGISTERRESPONSE']._serialized_start=1664
+  _globals['_REGISTERRESPONSE']._serialized_end=1747
+  _globals['_HEARTBEATREQUEST']._serialized_start=1749
+  _globals['_HEARTBEATREQUEST']._serialized_end=1809
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1811
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1845
+  _globals['_DEREGISTERREQUEST']._serialized_start=1847
+  _globals['_DEREGISTERREQUEST']._serialized_end=1920
+  _globals['_DEREGISTERRESPONSE']._serialized_start=1922
+  _globals['_DEREGISTERRESPONSE']._serialized_end=1942
+  _globals['_COORDINATOR']._serialized_start=2042
+  _globals['_COORDINATOR']._serialized_end=2372
+  _globals['_REGISTRY']._serialized_start=2375
+  _globals['_REGISTRY']._serialized_end=2619
 # @@protoc_insertion_point(module_scope)

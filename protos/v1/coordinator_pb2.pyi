@@ -130,7 +130,7 @@ class Chain(_message.Message):
     def __init__(self, replica: _Optional[int] = ..., model_id: _Optional[str] = ..., addresses: _Optional[_Iterable[str]] = ..., active_sequences: _Optional[int] = ..., cached_prefixes: _Optional[int] = ..., cached_prefix_tokens: _Optional[int] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("workers", "chains", "active_requests", "queued_requests", "failovers", "last_failover_gap_seconds", "max_failover_gap_seconds", "shared_prefix_tokens", "preemptions", "stalls", "prefix_cache_queries")
+    __slots__ = ("workers", "chains", "active_requests", "queued_requests", "failovers", "last_failover_gap_seconds", "max_failover_gap_seconds", "shared_prefix_tokens", "preemptions", "stalls", "prefix_cache_queries", "spec_decode_draft_tokens", "spec_decode_accepted_tokens")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     CHAINS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +142,8 @@ class ClusterStatusResponse(_message.Message):
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     STALLS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[ClusterWorker]
     chains: _containers.RepeatedCompositeFieldContainer[Chain]
     active_requests: int
@@ -153,7 +155,9 @@ class ClusterStatusResponse(_message.Message):
     preemptions: int
     stalls: int
     prefix_cache_queries: int
-    def __init__(self, workers: _Optional[_Iterable[_Union[ClusterWorker, _Mapping]]] = ..., chains: _Optional[_Iterable[_Union[Chain, _Mapping]]] = ..., active_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., failovers: _Optional[int] = ..., last_failover_gap_seconds: _Optional[float] = ..., max_failover_gap_seconds: _Optional[float] = ..., shared_prefix_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., stalls: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ...) -> None: ...
+    spec_decode_draft_tokens: int
+    spec_decode_accepted_tokens: int
+    def __init__(self, workers: _Optional[_Iterable[_Union[ClusterWorker, _Mapping]]] = ..., chains: _Optional[_Iterable[_Union[Chain, _Mapping]]] = ..., active_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., failovers: _Optional[int] = ..., last_failover_gap_seconds: _Optional[float] = ..., max_failover_gap_seconds: _Optional[float] = ..., shared_prefix_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., stalls: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., spec_decode_draft_tokens: _Optional[int] = ..., spec_decode_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("worker",)

@@ -49,7 +49,7 @@ class DirectReply(_message.Message):
     def __init__(self, subscriber: _Optional[str] = ..., step_id: _Optional[int] = ...) -> None: ...
 
 class SequenceInput(_message.Message):
-    __slots__ = ("sequence_id", "positions", "token_ids", "sample", "sampling", "history_token_ids", "trace_context", "prefix_from")
+    __slots__ = ("sequence_id", "positions", "token_ids", "sample", "sampling", "history_token_ids", "trace_context", "prefix_from", "draft", "rewind")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,8 @@ class SequenceInput(_message.Message):
     HISTORY_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FROM_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    REWIND_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     positions: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -73,7 +75,9 @@ class SequenceInput(_message.Message):
     history_token_ids: _containers.RepeatedScalarFieldContainer[int]
     trace_context: _containers.ScalarMap[str, str]
     prefix_from: str
-    def __init__(self, sequence_id: _Optional[str] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., history_token_ids: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., prefix_from: _Optional[str] = ...) -> None: ...
+    draft: int
+    rewind: bool
+    def __init__(self, sequence_id: _Optional[str] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., history_token_ids: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., prefix_from: _Optional[str] = ..., draft: _Optional[int] = ..., rewind: _Optional[bool] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "sequences", "error", "failed_address", "replied")
@@ -90,18 +94,30 @@ class StepResult(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ..., error: _Optional[_Union[_common_pb2.Status, _Mapping]] = ..., failed_address: _Optional[str] = ..., replied: _Optional[bool] = ...) -> None: ...
 
 class SequenceResult(_message.Message):
-    __slots__ = ("sequence_id", "sampled_token_id", "logprob", "top_logprobs", "error")
+    __slots__ = ("sequence_id", "sampled_token_id", "logprob", "top_logprobs", "error", "accepted")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     sampled_token_id: int
     logprob: float
     top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     error: _common_pb2.Status
-    def __init__(self, sequence_id: _Optional[str] = ..., sampled_token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., error: _Optional[_Union[_common_pb2.Status, _Mapping]] = ...) -> None: ...
+    accepted: _containers.RepeatedCompositeFieldContainer[AcceptedToken]
+    def __init__(self, sequence_id: _Optional[str] = ..., sampled_token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., error: _Optional[_Union[_common_pb2.Status, _Mapping]] = ..., accepted: _Optional[_Iterable[_Union[AcceptedToken, _Mapping]]] = ...) -> None: ...
+
+class AcceptedToken(_message.Message):
+    __slots__ = ("token_id", "logprob", "top_logprobs")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("sequence_ids",)
