@@ -1,11 +1,11 @@
 """The `layerline` command line: argument parsing and nothing else.
 
 Each command group registers its subcommands through one `add_*_commands(commands)` function
-listed in `COMMAND_GROUPS` (here and in `servers`, `cluster`, `bench`, `certs`, `plan`); each subcommand's handler
-takes the parsed arguments, imports the module that does the work only when it runs (so
-`layerline --help` and the client commands never load numpy or torch), and returns the exit
-code. A failure the user can act on is raised as `CommandError` and printed as `error: ...`
-with exit code 2 and no traceback.
+listed in `COMMAND_GROUPS` (here and in `servers`, `coordinator_server`, `cluster`, `bench`,
+`certs`, `plan`); each subcommand's handler takes the parsed arguments, imports the module
+that does the work only when it runs (so `layerline --help` and the client commands never load
+numpy or torch), and returns the exit code. A failure the user can act on is raised as
+`CommandError` and printed as `error: ...` with exit code 2 and no traceback.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from layerline import __version__
 from .bench import add_bench_commands
 from .certs import add_certs_commands
 from .cluster import add_cluster_commands
+from .coordinator_server import add_coordinator_commands
 from .plan import add_plan_commands
-from .servers import add_coordinator_commands, add_stage_commands
+from .servers import add_stage_commands
 from .support import (
     EXIT_INTERRUPTED,
     EXIT_USER_ERROR,

@@ -170,3 +170,14 @@ def speculate_flag(p: argparse.ArgumentParser, *, default: int = 0) -> None:
         "seeded output stay token for token the same. A request's `speculate` overrides it. "
         f"0 is off, at most {MAX_SPECULATE} (default: %(default)s)",
     )
+
+
+def health_port_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--health-port",
+        type=int,
+        default=0,
+        metavar="P",
+        help="also serve the standard gRPC health service alone, in plaintext, on this port: for probes that "
+        "speak no TLS, such as Kubernetes' gRPC probes (default: 0, none)",
+    )
