@@ -19,10 +19,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from .engine import SMALL_STEP_TOKENS, StageEngine, StepOutput
+from .engine import StageEngine, StepOutput
 from .frames import ReceivedStep
 from .ranks import LeadingEngine
 
+SMALL_STEP_TOKENS = 4  # a step of at most this many tokens, alone on the stage, may run inline
 T = TypeVar("T")
 
 

@@ -30,8 +30,6 @@ from .llama import StageModel
 from .sampler import Draw, sample
 from .speculation import logit_rows, verify
 
-SMALL_STEP_TOKENS = 4  # a step of at most this many tokens alone on its stage may run inline (compute.py)
-
 
 class StepInputError(InvalidInput):
     """A step, or one sequence of it, that breaks the rules of the wire contract."""
@@ -197,16 +195,7 @@ class StageEngine:
                 if seq.sequence_id in seen:
                     raise StepInputError(f"sequence {seq.sequence_id!r} appears twice in one step")
                 seen.add(seq.sequence_id)
-                self._check_chain(seq.sequence_id, chain)
-                if seq.prefix_from:
-                    self._check_prefix(seq)
-                    self._check_chain(seq.prefix_from, chain, lender=True)
-                    self._check_sequence(seq, held=seq.positions[0])
-                    self.cache.copy_prefix(seq.prefix_from, seq.sequence_id, seq.positions[0], room_for=n)
-                else:
-                    self._check_sequence(seq, held=self._rewound(seq))
-                self.cache.reserve(seq.sequence_id, n)
-                self._chains[seq.sequence_id] = chain
+                self._admit(seq, chain)
             except (StepInputError, KVCacheExhausted) as err:
                 out.errors.append(SequenceError(seq.sequence_id, err))
             else:
@@ -239,6 +228,23 @@ class StageEngine:
             self._sample(out, logits)
         return out
 
+    def _admit(self, seq: SequenceStep, chain: str) -> None:
+        """Check one sequence of a step and make room for its tokens. A sequence refused by a check
+        keeps its KV as it was (one refused for want of KV has its rejected drafts dropped)."""
+        self._check_chain(seq.sequence_id, chain)
+        if seq.prefix_from:
+            self._check_prefix(seq)
+            self._check_chain(seq.prefix_from, chain, lender=True)
+            self._check_sequence(seq, held=seq.positions[0])
+            self.cache.copy_prefix(seq.prefix_from, seq.sequence_id, seq.positions[0], room_for=seq.num_tokens)
+        else:
+            rewind_to = self._rewind_to(seq)
+            self._check_sequence(seq, held=rewind_to)
+            if rewind_to is not None:  # only once the step is known good: bad input drops no KV
+                self.cache.truncate(seq.sequence_id, rewind_to)
+        self.cache.reserve(seq.sequence_id, seq.num_tokens)
+        self._chains[seq.sequence_id] = chain
+
     def _sample(self, out: StepOutput, logits: torch.Tensor) -> None:
         if any(s.draft for s in out.kept):
             self._verify(out, logits)
@@ -253,7 +259,9 @@ class StageEngine:
         out.draws = {s.sequence_id: d for s, d in zip(out.kept, draws)}
 
     def _verify(self, out: StepOutput, logits: torch.Tensor) -> None:
-        """Draw after each drafted token, accept while they agree, and drop the rejected ones' KV."""
+        """Draw after each drafted token and accept while they agree. The rejected ones' KV stays
+        until the sequence's next step rewinds it, on this stage as on every other and on every
+        tensor-parallel rank (only rank 0 samples, so only a rewind reaches them all alike)."""
         kept = out.kept
         verified = verify(
             logits,
@@ -266,19 +274,15 @@ class StageEngine:
             out.draws[seq.sequence_id] = draws[-1]
             if seq.draft:
                 out.accepted[seq.sequence_id] = draws[:-1]
-                self.cache.truncate(seq.sequence_id, seq.positions[-1] + 1 - seq.draft + len(draws) - 1)
 
-    def _rewound(self, seq: SequenceStep) -> int | None:
-        """Drop the KV a rewinding sequence holds from its positions[0] on (drafted tokens that were
-        rejected); what it holds then. None when it does not rewind, or starts past what it holds
+    def _rewind_to(self, seq: SequenceStep) -> int | None:
+        """What a rewinding sequence will hold once the KV from its positions[0] on (drafted tokens
+        that were rejected) is dropped. None when it does not rewind, or starts past what it holds
         (which `_check_sequence` refuses)."""
         if not seq.rewind or not seq.positions or seq.sequence_id not in self.cache:
             return None
         start = seq.positions[0]
-        if not 0 <= start <= self.cache.length(seq.sequence_id):
-            return None
-        self.cache.truncate(seq.sequence_id, start)
-        return start
+        return start if 0 <= start <= self.cache.length(seq.sequence_id) else None
 
     def _check_step(self, seqs: Sequence[SequenceStep], hidden: torch.Tensor | None) -> None:
         total = sum(s.num_tokens for s in seqs)
@@ -347,6 +351,24 @@ class StageEngine:
             )
         self._check_tokens(seq)
 
+    def _check_draft(self, seq: SequenceStep) -> None:
+        sid, vocab = seq.sequence_id, self.config.vocab_size
+        if seq.draft >= seq.num_tokens:
+            raise StepInputError(
+                f"sequence {sid!r} draft = {seq.draft}: must be fewer than its {seq.num_tokens} positions"
+            )
+        if not self.is_last:
+            return
+        if seq.sampling is None:
+            raise StepInputError(f"sequence {sid!r} draft = {seq.draft}: the last stage needs its sample set")
+        if len(seq.token_ids) != seq.num_tokens:
+            raise StepInputError(
+                f"sequence {sid!r} draft = {seq.draft}: the last stage needs a token id at each of its "
+                f"{seq.num_tokens} positions, got {len(seq.token_ids)}"
+            )
+        if any(not 0 <= t < vocab for t in seq.token_ids[-seq.draft :]):
+            raise StepInputError(f"sequence {sid!r} draft holds a token id outside the vocabulary [0, {vocab})")
+
     def _check_tokens(self, seq: SequenceStep) -> None:
         """The token ids the first stage embeds, and what the last stage samples with."""
         sid = seq.sequence_id
@@ -360,16 +382,8 @@ class StageEngine:
                 raise StepInputError(
                     f"sequence {sid!r} token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})"
                 )
-        if seq.draft and (seq.draft >= seq.num_tokens or (self.is_last and seq.sampling is None)):
-            raise StepInputError(
-                f"sequence {sid!r} draft = {seq.draft}: needs sample set and fewer drafted tokens than its "
-                f"{seq.num_tokens} positions"
-            )
-        if seq.draft and self.is_last and len(seq.token_ids) != seq.num_tokens:
-            raise StepInputError(
-                f"sequence {sid!r} draft = {seq.draft}: the last stage needs a token id at each of its "
-                f"{seq.num_tokens} positions, got {len(seq.token_ids)}"
-            )
+        if seq.draft:
+            self._check_draft(seq)
         if self.is_last and seq.sampling is not None:
             try:
                 seq.sampling.check()

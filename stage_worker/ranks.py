@@ -171,6 +171,7 @@ class LeadingEngine:
             self._op(RUN)
             _steps_out(self._wire, seqs)
             self._wire.strings([chain])
+            self._wire.ints([alone])  # every rank takes the same threads: an all-reduce waits for the slowest
             self._wire.tensor(hidden)
             return self.engine.run(seqs, hidden, alone=alone, chain=chain)
         except RuntimeError as err:
@@ -203,7 +204,8 @@ def follow(engine: StageEngine, group: dist.ProcessGroup | None) -> None:
             if op == RUN:
                 seqs = _steps_in(wire)
                 (chain,) = wire.strings()
-                engine.run(seqs, wire.tensor(None), chain=chain)
+                (alone,) = wire.ints()
+                engine.run(seqs, wire.tensor(None), alone=bool(alone), chain=chain)
             elif op == RELEASE:
                 engine.release(wire.strings()[0])
             elif op == PROBE:

@@ -294,6 +294,7 @@ def test_an_emitted_distributed_up_command_parses(tmp_path: Path, capsys: pytest
     assert main([*plan, "--emit", "up"]) == 0
     command = capsys.readouterr().out.split()
     parsed = build_parser().parse_args(command[1:])
+    assert parsed.split == "weights"  # as the plan split them
     assert (parsed.model, parsed.stages, parsed.tp, parsed.replicas, parsed.dtype) == (
         "smollm2-135m-instruct",
         1,

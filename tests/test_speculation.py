@@ -44,8 +44,7 @@ def engines(ckpt) -> tuple[StageEngine, StageEngine]:
 def decode(ckpt, sampling: SamplingParams, n: int, drafter: Drafter) -> tuple[list[int], list[float | None], int]:
     """`n` tokens through two stage engines, each step verifying `drafter`'s draft; the tokens,
     their logprobs and how many drafted tokens were accepted. Checks the KV each stage holds
-    after every step: the last stage drops the rejected tokens' KV at once, the first when the
-    next step rewinds it."""
+    after every step: every stage keeps the rejected tokens' KV until the next step rewinds it."""
     first, last = engines(ckpt)
     history, generated, logprobs = list(PROMPT), [], []
     fed = held = accepted_total = 0
@@ -69,8 +68,7 @@ def decode(ckpt, sampling: SamplingParams, n: int, drafter: Drafter) -> tuple[li
         draws = [*accepted, b.draws["s"]]
         held = fed + len(real) + len(draft)
         fed += len(real) + len(accepted)
-        assert last.cache.length("s") == fed  # the rejected tokens' KV is gone on the last stage
-        assert first.cache.length("s") == held  # and on the first at its next step (rewind)
+        assert last.cache.length("s") == first.cache.length("s") == held  # until the next step rewinds
         history += [d.token_id for d in draws]
         generated += [d.token_id for d in draws]
         logprobs += [d.logprob for d in draws]
@@ -129,13 +127,22 @@ def test_bad_drafts_and_rewinds_fail_only_their_sequence(ckpt):
     a = first.run(steps)
     b = last.run(a.kept, a.hidden)
     errors = {e.sequence_id: str(e.error) for e in a.errors + b.errors}
-    assert "draft = 2: needs sample set and fewer drafted tokens than its 2 positions" in errors["s"]
+    assert "draft = 2: must be fewer than its 2 positions" in errors["s"]
     assert "positions start at 1, expected 2" in errors["t"]
-    assert "draft = 1: needs sample set" in errors["u"]
+    assert "draft = 1: the last stage needs its sample set" in errors["u"]
     past = first.run([SequenceStep("t", (3,), (9,), rewind=True)])  # a rewind never skips ahead
     assert "positions start at 3, expected 2" in str(past.errors[0].error)
+    # A refused rewind drops nothing: its token is checked before any KV goes.
+    bad = first.run([SequenceStep("t", (0,), (10**6,), rewind=True)])
+    assert "token id 1000000 is outside the vocabulary" in str(bad.errors[0].error)
+    assert first.cache.length("t") == 2
     back = first.run([SequenceStep("t", (1, 2), (8, 9), rewind=True)])
     assert not back.errors and first.cache.length("t") == 3
+    # A last stage reached directly checks the drafted ids it may index with (repetition penalty).
+    hidden = torch.zeros(2, last.config.hidden_size)
+    sampling = SamplingParams(repetition_penalty=1.3)
+    far = last.run([SequenceStep("t", (2, 3), (8, 10**6), sampling, draft=1, rewind=True)], hidden)
+    assert "draft holds a token id outside the vocabulary" in str(far.errors[0].error)
     assert first.cache.length("s") == 3 and "u" not in last.cache
 
 

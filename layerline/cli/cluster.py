@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import subprocess
 import sys
 
 from layerline.client import Client, LayerlineError
@@ -117,7 +118,7 @@ def _start_cluster(args: argparse.Namespace, *, restarts: RestartPolicy = Cluste
     from layerline.model_store import ModelStoreError, resolve_model
 
     telemetry_settings(args, host="127.0.0.1")  # a bad flag fails here, before any process starts
-    with reported_as_errors(ModelStoreError, ValueError):
+    with reported_as_errors(ModelStoreError, ValueError, RuntimeError, subprocess.TimeoutExpired):
         checkpoint = resolve_model(args.model)
         plan = ClusterPlan(
             model=str(checkpoint),

@@ -158,10 +158,17 @@ def http_port_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _speculate(text: str) -> int:
+    k = int(text)
+    if not 0 <= k <= MAX_SPECULATE:
+        raise argparse.ArgumentTypeError(f"{k} must be in [0, {MAX_SPECULATE}] (0: off)")
+    return k
+
+
 def speculate_flag(p: argparse.ArgumentParser, *, default: int = 0) -> None:
     p.add_argument(
         "--speculate",
-        type=int,
+        type=_speculate,
         default=default,
         metavar="K",
         help="speculative decoding by prompt lookup: each decode step drafts up to K tokens (what followed the "

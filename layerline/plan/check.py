@@ -99,6 +99,7 @@ def measure(
             ClusterPlan(
                 model=str(checkpoint),
                 stages=pp,
+                split="weights",  # the layers where the prediction put them (recommend.py)
                 replicas=dp,
                 tp=tp,
                 dtype=dtype,

@@ -1,10 +1,12 @@
 """What to run for a recommended layout: a `layerline up` command, a compose file or Kubernetes manifests.
 
-Owns the text of each. `up` starts the whole layout on one machine (it splits the layers as the
-plan does). The compose file and the manifests follow docker/compose.yaml and k8s/base: one
-service (StatefulSet) per stage with its `--layers`, `--tp` ranks (a GPU each on GPU devices) and
-`--dtype`, registering at the coordinator; replicas are more containers (pods) of each stage. They
-leave out the TLS secrets and telemetry that the shipped files add: see docker/ and k8s/ for those.
+Owns the text of each. `up` starts the whole layout on one machine, told to split the layers as
+the plan does (`--split weights`: the LM head weighed by its bytes, not measured again). The
+compose file and the manifests follow docker/compose.yaml and k8s/base: one service
+(StatefulSet) per stage with its `--layers`, `--tp` ranks (a GPU each on GPU devices) and
+`--dtype`, registering at the coordinator; replicas are more containers (pods) of each stage.
+They leave out the TLS secrets and telemetry that the shipped files add: see docker/ and k8s/
+for those.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ def up_command(model: str, layout: Layout, *, dtype: str, kv_bytes: int) -> list
         model,
         "--stages",
         str(layout.pp),
+        "--split",
+        "weights",
         "--tp",
         str(layout.tp),
         "--replicas",

@@ -9,7 +9,7 @@ micro-batch's trip, the busiest stage's share, and the cores (or the devices) th
 
 On this machine (`cpu`) every figure comes from the measured profile, and the processes of a local
 cluster share its cores as `layerline up` shares them (launcher.py: threads per worker; the stage
-engine: a step of a few tokens on one thread). For catalog GPUs the figures are the datasheet's,
+engine: a step alone on its chain on the chain's threads). For catalog GPUs the figures are the datasheet's,
 at the achievable fractions below, since a device that is not here cannot be measured.
 """
 
@@ -179,7 +179,7 @@ class CostModel:
         assert p is not None
         dtype = self.work.dtype
         threads = self.cpu_threads(alone=alone)
-        seconds = per_row * rows / p.matmul_rate(dtype, threads, rows) + head / p.matmul_rate(dtype, 1, 1)
+        seconds = per_row * rows / p.matmul_rate(dtype, threads, rows) + head / p.matmul_rate(dtype, threads, 1)
         seconds += layers * p.layer_overhead_s.get(dtype, max(p.layer_overhead_s.values()))
         seconds += p.stage_step_s.get(dtype, max(p.stage_step_s.values()))
         # A stage's tp ranks compute at once: more threads than cores and each runs that much slower.
