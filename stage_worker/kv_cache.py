@@ -11,6 +11,7 @@ Knows nothing of the network, of sampling or of which requests the sequences bel
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -82,6 +83,10 @@ class StepLayout:
     decode_blocks: torch.Tensor  # [D, Bmax] their block tables, padded (whole blocks are gathered)
     decode_mask: torch.Tensor  # [D, 1, 1, Bmax * block_size] bool, True for the positions they hold
     prefills: tuple[PrefillSpan, ...]  # every other sequence, one attention call each
+    # A step of one decoding sequence whose blocks are consecutive in the pool (as a sequence's
+    # blocks are, taken from a pool nobody fragmented): its context is the slots [start, stop),
+    # read as a view of the pool, without a gather and without a mask. None otherwise.
+    decode_slots: slice | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -118,7 +123,7 @@ class PagedKVCache:
             for i in layer_ids
         }
         self.v = {i: torch.zeros_like(t) for i, t in self.k.items()}
-        self._free: list[int] = list(range(shape.num_blocks - 1, -1, -1))
+        self._free: list[int] = list(range(shape.num_blocks))  # sorted: see `_take`
         self._tables: dict[str, list[int]] = {}
         self._lengths: dict[str, int] = {}
 
@@ -148,8 +153,33 @@ class PagedKVCache:
             raise KVCacheExhausted(sequence_id, needed_blocks=need, free_blocks=len(self._free))
         table = self._tables.setdefault(sequence_id, table)
         self._lengths.setdefault(sequence_id, 0)
-        for _ in range(max(need, 0)):
-            table.append(self._free.pop())
+        if need > 0:
+            table.extend(self._take(need, after=table[-1] if table else None))
+
+    def _take(self, count: int, *, after: int | None) -> list[int]:
+        """`count` free blocks, consecutive where the pool allows: those right after block `after`
+        (the sequence's last), else the first run of free blocks long enough, else the lowest.
+        A lone sequence whose blocks follow each other reads its KV as a view of the pool, with
+        no gather (`StepLayout.decode_slots`); taking blocks from a stack instead scattered a
+        sequence's blocks as soon as two sequences had come and gone."""
+        free = self._free
+        start = None
+        if after is not None:
+            at = bisect.bisect_left(free, after + 1)
+            if at + count <= len(free) and free[at + count - 1] == after + count:
+                start = at
+        if start is None:
+            start = next((i for i in range(len(free) - count + 1) if free[i + count - 1] == free[i] + count - 1), None)
+        if start is None:
+            taken, self._free = free[:count], free[count:]
+            return taken
+        taken = free[start : start + count]
+        del free[start : start + count]
+        return taken
+
+    def _give_back(self, blocks: Iterable[int]) -> None:
+        for block in blocks:
+            bisect.insort(self._free, block)
 
     def copy_prefix(self, source: str, target: str, length: int, *, room_for: int = 0) -> None:
         """Start `target` (which holds nothing) with a copy of `source`'s first `length` tokens.
@@ -174,7 +204,7 @@ class PagedKVCache:
         assert 0 <= length <= self.length(sequence_id)
         table = self._tables[sequence_id]
         keep = -(-length // self.shape.block_size)
-        self._free.extend(reversed(table[keep:]))
+        self._give_back(table[keep:])
         del table[keep:]
         self._lengths[sequence_id] = length
 
@@ -184,7 +214,7 @@ class PagedKVCache:
         self._lengths.pop(sequence_id, None)
         if table is None:
             return False
-        self._free.extend(reversed(table))
+        self._give_back(table)
         return True
 
     def plan_step(
@@ -227,6 +257,7 @@ class PagedKVCache:
             padded[i, : len(t)] = torch.tensor(t, dtype=torch.long)
         lens = torch.tensor(decode_lens, dtype=torch.long)
         mask = (torch.arange(width * block) < lens[:, None])[:, None, None, :]  # [D, 1, 1, L]
+        alone = len(decode_tables) == 1 and not prefills
         return StepLayout(
             seq_lens=tuple(seq_lens),
             block_size=block,
@@ -236,12 +267,21 @@ class PagedKVCache:
             decode_blocks=padded.to(self.device),
             decode_mask=mask.to(self.device),
             prefills=tuple(prefills),
+            decode_slots=_consecutive(decode_tables[0], block, decode_lens[0]) if alone else None,
         )
 
 
 def _slots(table: list[int], block_size: int, positions: range) -> list[int]:
     """The cache slots of a sequence's `positions`, given its block table."""
     return [table[p // block_size] * block_size + p % block_size for p in positions]
+
+
+def _consecutive(table: list[int], block_size: int, length: int) -> slice | None:
+    """The slots of a sequence's first `length` tokens as one slice, when its blocks follow each other."""
+    first = table[0]
+    if any(b != first + i for i, b in enumerate(table)):
+        return None
+    return slice(first * block_size, first * block_size + length)
 
 
 def _prefill_span(row: int, start: int, end: int, slots: list[int], sliding_window: int | None) -> PrefillSpan:

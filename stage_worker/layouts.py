@@ -9,7 +9,10 @@ of the same weight that is faster on CPU (each class below says what it measured
   when the step runs on several threads);
 - the LM head becomes `LMHead` (column blocks of its weight);
 - then, where oneDNN serves the dtype (`can_pack`) and the weight layout is not `plain`,
-  `pack_linears` wraps each of them in a `PackedLinear`.
+  `pack_linears` wraps each of them in a `PackedLinear`;
+- each plain layout offers `row_weight(threads)`, how a single row multiplies it (on several
+  threads, blocks of its output columns: `_row_blocks`), and the model gets the `RowPath`
+  (rows.py) that runs a step of one token over those weights without the modules.
 
 Under `--quantize int8 | int4` every linear layer, the LM head and the token embedding become
 instead the quantized layers of quantize.py (its kernels take the [out, in] weight), never
@@ -30,6 +33,7 @@ from torch import nn
 
 from .llama import DecoderLayer, StageModel, StepThreads, VocabParallelEmbedding
 from .quantize import Int8Embedding, QuantizeError, quantized
+from .rows import RowPath, RowWeight, row_product
 from .settings import QUANTIZE, WEIGHT_LAYOUTS  # see PackedLinear; the stage's --weight-layout, --quantize
 
 MANY_ROWS = 16  # from this many rows on, a matmul is worth computing as (W x^T)^T (see below)
@@ -40,6 +44,26 @@ def _by_weight_rows(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | 
     """x W^T + b computed as (W x^T)^T: `weight` is [out, in] (any strides); contiguous result."""
     y = (weight @ x.t()).t()
     return y + bias if bias is not None else y.contiguous()
+
+
+def _row_blocks(weight: torch.Tensor, threads: int, *, transposed: bool) -> torch.Tensor:
+    """The weight a single row is multiplied by on `threads` threads (a `RowWeight`'s tensor), a
+    view of `weight` ([in, out] when `transposed`, else [out, in]): no memory beyond it.
+
+    On several threads it is `threads` blocks of the output columns, [threads, in, out / threads],
+    one batched product in which each thread streams its own block of the weight; one plain
+    product of one row leaves the other threads idle. Measured on SmolLM2's 30 layers, one row,
+    two threads (AMD EPYC, AVX2; ms): qkv 5.6 -> 4.7, o 3.9 -> 3.6, gate_up 12.8 -> 9.9 as column
+    blocks of the [in, out] weight; down 8.9 -> 5.7 as row blocks of the [out, in] one. On one
+    thread (or a width that does not split) it is the weight itself as [in, out], since there
+    the plain products are the faster ones (the blocks cost qkv 5.5 -> 6.6 ms, gate_up 13.8 -> 15.1).
+    """
+    fan_in, out = weight.shape if transposed else weight.shape[::-1]
+    if threads < 2 or out % threads:
+        return weight if transposed else weight.t()
+    if transposed:  # [in, out] -> [in, threads, out / threads] -> [threads, in, out / threads]
+        return weight.view(fan_in, threads, out // threads).permute(1, 0, 2)
+    return weight.view(threads, out // threads, fan_in).transpose(1, 2)  # [out, in] -> [threads, in, out / threads]
 
 
 class TransposedLinear(nn.Module):
@@ -55,26 +79,40 @@ class TransposedLinear(nn.Module):
     model's shapes). Wider ones (gate/up, the LM head) lose that way on one thread and keep x W^T.
     """
 
+    step_threads: StepThreads
+
     def __init__(self, in_features: int, out_features: int, *, bias: bool) -> None:
         super().__init__()
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.flipped = out_features <= 2 * in_features
+        self.step_threads = StepThreads()
+        self.rows: dict[int, RowWeight] = {}  # threads -> how one row multiplies this layer (`row_weight`)
 
     @classmethod
-    def of(cls, plain: nn.Module) -> TransposedLinear:
+    def of(cls, plain: nn.Module, *, step_threads: StepThreads) -> TransposedLinear:
         """The layout of a loaded `nn.Linear`; its bias is shared, not copied."""
         assert isinstance(plain, nn.Linear), plain
         with torch.device("meta"):
             layer = cls(plain.in_features, plain.out_features, bias=plain.bias is not None)
         layer.weight_t = nn.Parameter(plain.weight.detach().t().contiguous())  # [out, in] -> [in, out]
         layer.bias = plain.bias
+        layer.step_threads = step_threads
         return layer
 
     def dense(self) -> torch.Tensor:
         return self.weight_t.t()
 
+    def row_weight(self, threads: int) -> RowWeight:
+        """How a single row multiplies this layer on `threads` threads (see `_row_blocks`)."""
+        if threads not in self.rows:
+            self.rows[threads] = (_row_blocks(self.weight_t.detach(), threads, transposed=True), _bias(self.bias))
+        return self.rows[threads]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        threads = self.step_threads.count
+        if x.shape[0] == 1 and threads > 1:
+            return row_product(x, self.row_weight(threads))
         if self.flipped and x.shape[0] >= MANY_ROWS:
             return _by_weight_rows(self.weight_t.t(), x, self.bias)
         if self.bias is None:
@@ -85,9 +123,11 @@ class TransposedLinear(nn.Module):
 class Linear(nn.Linear):
     """torch's Linear ([out, in] weight), computed as y^T = W x^T from MANY_ROWS rows on when
     the step runs on more than one thread (`step_threads`, the model's): about 25% faster for
-    the MLP's down projection on two threads, slower on one."""
+    the MLP's down projection on two threads, slower on one. A single row on several threads is
+    multiplied in row blocks of the weight (`_row_blocks`)."""
 
     step_threads: StepThreads
+    rows: dict[int, RowWeight]  # threads -> how one row multiplies this layer (`row_weight`)
 
     @classmethod
     def of(cls, plain: nn.Module, *, step_threads: StepThreads) -> Linear:
@@ -97,12 +137,22 @@ class Linear(nn.Linear):
             layer = cls(plain.in_features, plain.out_features, bias=plain.bias is not None)
         layer.weight, layer.bias = plain.weight, plain.bias
         layer.step_threads = step_threads
+        layer.rows = {}
         return layer
 
     def dense(self) -> torch.Tensor:
         return self.weight
 
+    def row_weight(self, threads: int) -> RowWeight:
+        """How a single row multiplies this layer on `threads` threads (see `_row_blocks`)."""
+        if threads not in self.rows:
+            self.rows[threads] = (_row_blocks(self.weight.detach(), threads, transposed=False), _bias(self.bias))
+        return self.rows[threads]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        threads = self.step_threads.count
+        if x.shape[0] == 1 and threads > 1:
+            return row_product(x, self.row_weight(threads))
         if x.shape[0] >= MANY_ROWS and self.step_threads.count > 1:
             return _by_weight_rows(self.weight, x, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -145,9 +195,18 @@ class LMHead(nn.Module):
         # [vocab, hidden] -> [blocks, vocab / blocks, hidden] -> [blocks, hidden, vocab / blocks]
         return weight.reshape(blocks, vocab // blocks, hidden).transpose(1, 2).contiguous()
 
+    def row_weight(self, threads: int) -> RowWeight:
+        """A single row's logits are `row_product(x, row_weight())`: [blocks, 1, vocab / blocks]
+        is [1, vocab] in memory, block after block."""
+        return self.weight_blocks.detach(), None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.matmul(x, self.weight_blocks)  # [blocks, R, vocab / blocks]
         return y.transpose(0, 1).reshape(x.shape[0], -1)  # [R, vocab], block after block
+
+
+def _bias(bias: torch.Tensor | None) -> torch.Tensor | None:
+    return None if bias is None else bias.detach()
 
 
 def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:
@@ -182,6 +241,10 @@ class PackedLinear(nn.Module):
         self.register_buffer("weight_packed", torch.ops.mkldnn._reorder_linear_weight(weight, None))
         self.register_buffer("bias", None if plain.bias is None else plain.bias.detach().contiguous())
         self.plain = plain if keep_plain else None
+
+    def row_weight(self, threads: int) -> RowWeight | None:
+        """The plain layer's, when it is kept (a packed weight alone has no single-row form)."""
+        return None if self.plain is None else self.plain.row_weight(threads)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.plain is not None and x.shape[0] == 1:
@@ -224,14 +287,16 @@ def apply_layouts(
         assert isinstance(layer, DecoderLayer), layer
         attn, mlp = layer.self_attn, layer.mlp
         # Each assignment drops the nn.Linear it replaces, and with it the [out, in] weight.
-        attn.qkv_proj = TransposedLinear.of(attn.qkv_proj)
-        attn.o_proj = TransposedLinear.of(attn.o_proj)
-        mlp.gate_up_proj = TransposedLinear.of(mlp.gate_up_proj)
-        mlp.down_proj = Linear.of(mlp.down_proj, step_threads=model.step_threads)  # out < in: [out, in] is faster
+        threads = model.step_threads
+        attn.qkv_proj = TransposedLinear.of(attn.qkv_proj, step_threads=threads)
+        attn.o_proj = TransposedLinear.of(attn.o_proj, step_threads=threads)
+        mlp.gate_up_proj = TransposedLinear.of(mlp.gate_up_proj, step_threads=threads)
+        mlp.down_proj = Linear.of(mlp.down_proj, step_threads=threads)  # out < in: [out, in] is faster
     if model.lm_head is not None:
         model.lm_head = LMHead.of(model.lm_head)
     if weight_layout != "plain" and can_pack(dtype, device):
         pack_linears(model, keep_plain=weight_layout == "both" and dtype == torch.float32)
+    model.row_path = RowPath(model)  # a step of one token over the plain weights, where they are kept
     return model
 
 

@@ -18,6 +18,7 @@ loading (layouts.py), of how tensors are cut (sharding.py), the network or sampl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,15 @@ from .parallel import SINGLE_RANK, TensorParallel
 from .sharding import Shards, shards_for
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension, as transformers computes it."""
+    if x.dtype == torch.float32 == weight.dtype:  # one call, the same numbers (no casts)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    # Normalized in float32, then cast, then scaled: the order transformers uses.
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return weight * normed.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -37,11 +47,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 == self.weight.dtype:  # one call, the same numbers (no casts)
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        # Normalized in float32, then cast, then scaled: the order transformers uses.
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+class RowPath(Protocol):
+    """A faster way through a stage for a step of one token of one sequence whose KV is one run of
+    cache slots, over the same weights: rows.py's, which the CPU layouts install (layouts.py).
+    Returns what `StageModel.forward` returns, or None where it cannot serve the step."""
+
+    def __call__(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, cache: PagedKVCache, slots: slice, threads: int
+    ) -> torch.Tensor | None: ...
 
 
 @dataclass
@@ -111,6 +127,11 @@ class Attention(nn.Module):
         q, k = qk.split([h, kvh], dim=1)  # q [T, h, d]; k, v [T, kvh, d]
         k_pool.index_copy_(0, layout.write_slots, k)
         v_pool.index_copy_(0, layout.write_slots, v)
+        if layout.decode_slots is not None:  # one decoding sequence, its KV in one run of slots
+            kd = k_pool[layout.decode_slots].transpose(0, 1).unsqueeze(0)  # [1, kvh, L, d], a view
+            vd = v_pool[layout.decode_slots].transpose(0, 1).unsqueeze(0)
+            od = self._sdpa(q.unsqueeze(2), kd, vd, mask=None, causal=False)  # [1, h, 1, d]
+            return self.tp.all_reduce(self.o_proj(od.reshape(t, h * self.head_dim)))
         if layout.decode_only:  # the common batched-decode step: no row shuffling
             kd = _gather_blocks(k_pool, layout.decode_blocks, layout.block_size)  # [T, kvh, L, d]
             vd = _gather_blocks(v_pool, layout.decode_blocks, layout.block_size)
@@ -255,6 +276,7 @@ class StageModel(nn.Module):
         head = nn.Linear(config.hidden_size, shards.vocab_per_rank, bias=False) if last else None
         self.lm_head: nn.Module | None = head
         self.register_buffer("inv_freq", rope_inv_freq(config.rope, config.head_dim), persistent=False)
+        self.row_path: RowPath | None = None  # for a step of one token (see RowPath); layouts.py sets it
 
     @property
     def is_first(self) -> bool:
@@ -296,6 +318,10 @@ class StageModel(nn.Module):
         """
         x = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs  # [T, hidden]
         cos, sin = self.rope(layout.positions, x.dtype)
+        if self.row_path is not None and layout.decode_slots is not None and x.shape[0] == 1:
+            out = self.row_path(x, cos, sin, cache=cache, slots=layout.decode_slots, threads=self.step_threads.count)
+            if out is not None:
+                return out
         for layer in self.layers.values():
             x = layer(x, cos, sin, cache=cache, layout=layout)
         if self.lm_head is None:

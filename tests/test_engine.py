@@ -246,3 +246,57 @@ def test_a_sequence_belongs_to_the_chain_it_started_on(ckpt):
     assert not same.errors and [s.sequence_id for s in same.kept] == ["mine", "friend"]
     assert first.release("mine") and first.release("friend")
     assert not first.run([SequenceStep("mine", (0,), (1,))], chain="c\0b").errors  # freed: a new sequence
+
+
+def test_a_lone_decoding_sequence_reads_its_kv_as_one_run_of_slots():
+    """`StepLayout.decode_slots`: one decoding sequence whose blocks follow each other reads its
+    context as a slice of the pool; a fragmented table, two sequences or a prefill chunk do not."""
+    cache = PagedKVCache(CacheShape(8, 4, 1, 2), layer_ids=range(1), dtype=torch.float32)
+    cache.reserve("a", 6)  # blocks 0, 1
+    cache.plan_step(["a"], [6])
+    cache.reserve("a", 1)
+    assert cache.plan_step(["a"], [1]).decode_slots == slice(0, 7)
+    cache.reserve("b", 3)  # block 2
+    cache.reserve("a", 2)  # a's third block is 3: still a run
+    layout = cache.plan_step(["a"], [1])
+    assert layout.decode_slots == slice(0, 8)
+    cache.plan_step(["b"], [3])
+    cache.reserve("a", 1)
+    cache.reserve("b", 1)
+    assert cache.plan_step(["a", "b"], [1, 1]).decode_slots is None  # two sequences: the gather
+    cache.release("b")  # block 2 comes back first
+    cache.reserve("c", 1)  # block 2
+    cache.reserve("a", 4)  # a needs its fourth block: 4, after 0, 1, 3
+    layout = cache.plan_step(["a"], [1])
+    assert cache._tables["a"] == [0, 1, 3, 4] and layout.decode_slots is None
+    cache.reserve("a", 2)
+    assert cache.plan_step(["a"], [2]).decode_slots is None  # more than one token: a prefill span
+
+
+def test_the_pool_hands_out_consecutive_blocks_where_it_can():
+    """Blocks follow a sequence's last one where free, else the first free run long enough, else
+    the lowest free ones: sequences that came and went leave the next one a run of blocks."""
+    cache = PagedKVCache(CacheShape(8, 2, 1, 2), layer_ids=range(1), dtype=torch.float32)
+
+    def add(sequence_id: str, tokens: int) -> None:
+        cache.reserve(sequence_id, tokens)
+        cache.plan_step([sequence_id], [tokens])
+
+    add("a", 2)  # [0]
+    add("b", 2)  # [1]
+    add("a", 2)  # a's next block, 1, is b's: the first free one, 2
+    add("b", 2)  # b's next, 2, is taken: 3
+    assert cache._tables == {"a": [0, 2], "b": [1, 3]}
+    cache.release("a")
+    cache.release("b")
+    add("c", 6)
+    assert cache._tables["c"] == [0, 1, 2]  # a run, where a stack would have given 3, 1, 2 or so
+    add("d", 2)  # 3
+    add("c", 2)  # 3 is d's: the first free block, 4
+    cache.release("d")
+    add("e", 4)  # two blocks: the first run of two free is 5, 6 (3 alone is free before it)
+    assert cache._tables["c"] == [0, 1, 2, 4] and cache._tables["e"] == [5, 6]
+    add("f", 4)  # no run of two left (3 and 7 are free, apart): the lowest free ones
+    assert cache._tables["f"] == [3, 7] and cache.blocks_free == 0
+    with pytest.raises(KVCacheExhausted):
+        cache.reserve("g", 1)

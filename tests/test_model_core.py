@@ -204,3 +204,46 @@ def test_unknown_weight_layout_is_refused(tmp_path):
     make_tiny_checkpoint("llama3", tmp_path)
     with pytest.raises(ValueError, match="weight layout 'dense' is not one of both, packed, plain"):
         load_stage(tmp_path, LayerRange(0, 4), weight_layout="dense")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_decoding_row_on_plain_tensors_equals_the_modules_and_transformers(tiny, threads):
+    """A step of one token of one sequence whose KV is one run of slots skips the modules
+    (`StageModel._one_row`, with the weights in output blocks on 2 threads): the same logits as
+    the modules give for the same step, on a first, a last and a whole stage, and transformers'."""
+    from dataclasses import replace
+
+    from .pipeline import cache_for
+
+    _, path, hf = tiny
+    whole = [load_stage(path, LayerRange(0, 4))]
+    chains = [whole, [load_stage(path, LayerRange(0, 2)), load_stage(path, LayerRange(2, 4))]]
+    ids = list(PROMPTS["a"])
+    for stages in chains:
+        for stage in stages:
+            stage.set_threads(threads)
+        fast, plain = [cache_for(s) for s in stages], [cache_for(s) for s in stages]
+        tokens, seen = list(ids), []
+        new = tokens
+        for _ in range(6):
+            outs = []
+            for caches, one_row in ((fast, True), (plain, False)):
+                x = torch.tensor(new)
+                for stage, cache in zip(stages, caches):
+                    cache.reserve("s", len(new))
+                    layout = cache.plan_step(["s"], [len(new)], sliding_window=stage.config.sliding_window)
+                    if len(new) == 1 and stage.config.sliding_window is None:
+                        assert layout.decode_slots is not None
+                    if not one_row:
+                        layout = replace(layout, decode_slots=None)
+                    with torch.no_grad():
+                        x = stage(x, cache=cache, layout=layout, logit_rows=layout.last_rows())
+                outs.append(x)
+            torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
+            torch.testing.assert_close(outs[0][-1], hf_logits(hf, tokens)[-1], atol=1e-4, rtol=0)
+            new = [int(outs[0][-1].argmax())]
+            tokens.append(new[0])
+            seen.append(new[0])
+        if stages[0].config.sliding_window is None:  # a window past its length takes the general path
+            assert stages[0].row_path is not None and stages[0].row_path.plan(threads) is not None
+        assert seen == hf_greedy(hf, ids, 6)

@@ -1,0 +1,147 @@
+"""A stage's way through a step of one token of one sequence, over plain tensors (pure torch).
+
+A lone stream decodes one token a step, and on CPU most of such a step is the weights streaming
+through the caches. Between two of its matrix products the step's Python runs cold, so every
+module call and attribute lookup costs several times what it costs in a loop: through the
+modules, SmolLM2's 30 layers took 46-54 ms a token where the same products and operations on
+plain tensors took 40-47 (two threads, AMD EPYC, interleaved). `RowPath` is that second way:
+the math of `DecoderLayer` and of the head, written once more for one row, over each layer's
+weights as a single row multiplies them (`RowWeight`: on several threads, blocks of the output
+columns, so that each thread streams its own part of a weight; layouts.py says what it measured).
+The module path stays the reference: tests/test_model_core.py checks both give the same logits.
+
+It serves a step when the layouts offer every layer's row weight, on one rank (the path has no
+collectives), for a token whose context is one run of cache slots (`StepLayout.decode_slots`);
+`__call__` returns None otherwise and the modules run.
+
+Knows the model's module names and math, nothing of checkpoints, of the engine or the network.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .kv_cache import PagedKVCache
+from .llama import DecoderLayer, StageModel, rms_norm, swap_halves
+
+# How a single row multiplies a linear layer: (w, b) with y = (x @ w).view(1, -1) + b for x [1, in]
+# (see `row_product`). A linear layer that offers `row_weight(threads) -> RowWeight | None` (the CPU
+# layouts of layouts.py do) can be on the path.
+RowWeight = tuple[torch.Tensor, torch.Tensor | None]
+
+
+def row_product(x: torch.Tensor, weight: RowWeight) -> torch.Tensor:
+    """x W^T + b for a single row x [1, in]: [1, out]. The weight may be [in, out] or output
+    blocks [blocks, in, out / blocks], whose batched product is [1, out] in memory."""
+    w, b = weight
+    y = torch.matmul(x, w).view(1, -1)
+    return y if b is None else y + b
+
+
+@dataclass(frozen=True)
+class _RowLayer:
+    """A decoder layer's weights as a single row uses them: plain tensors, so that a step reads
+    no module attribute and calls no module."""
+
+    layer_id: int
+    input_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+    qkv: RowWeight
+    o: RowWeight
+    gate_up: RowWeight
+    down: RowWeight
+
+
+@dataclass(frozen=True)
+class _RowPlan:
+    layers: tuple[_RowLayer, ...]
+    head: RowWeight | None  # the LM head's row weight on the last stage
+
+
+class RowPath:
+    """`StageModel.row_path`: a step of one token over plain tensors, its plans made once per
+    thread count (a plan holds views of the model's weights, no copies)."""
+
+    def __init__(self, model: StageModel) -> None:
+        self.model = model
+        self._plans: dict[int, _RowPlan | None] = {}
+
+    def plan(self, threads: int) -> _RowPlan | None:
+        """The layers' and the head's row weights on `threads` threads; None unless every linear
+        layer offers its row weight and the model has one rank."""
+        if threads not in self._plans:
+            self._plans[threads] = self._make(threads)
+        return self._plans[threads]
+
+    def _make(self, threads: int) -> _RowPlan | None:
+        model = self.model
+        if model.tp.size != 1:
+            return None
+        layers = [_row_layer(layer, threads) for layer in model.layers.values()]
+        head = _row_weight(model.lm_head, threads) if model.lm_head is not None else None
+        if any(layer is None for layer in layers) or (model.lm_head is not None and head is None):
+            return None
+        return _RowPlan(tuple(layer for layer in layers if layer is not None), head)
+
+    def __call__(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, cache: PagedKVCache, slots: slice, threads: int
+    ) -> torch.Tensor | None:
+        """The layers (and head) for one token whose context is the cache slots `slots`, the new
+        token's last. x [1, hidden]; cos, sin [1, 1, head_dim]. Returns what `StageModel.forward`
+        returns, or None where this path cannot serve (no plan)."""
+        plan = self.plan(threads)
+        if plan is None:
+            return None
+        model = self.model
+        h, kvh = model.shards.num_heads, model.shards.num_kv_heads
+        d, eps = model.config.head_dim, model.config.rms_norm_eps
+        cos, sin = cos[0], sin[0]  # [1, d]
+        new = slots.stop - 1  # the new token's slot
+        for layer in plan.layers:
+            k_pool, v_pool = cache.k[layer.layer_id], cache.v[layer.layer_id]
+            qkv = row_product(rms_norm(x, layer.input_norm, eps), layer.qkv).view(h + 2 * kvh, d)
+            qk, v = qkv.split([h + kvh, kvh])
+            qk = qk * cos + swap_halves(qk) * sin  # rotary, as in Attention: [h + kvh, d]
+            q, k = qk.split([h, kvh])
+            k_pool[new].copy_(k)
+            v_pool[new].copy_(v)
+            keys = k_pool[slots].transpose(0, 1).unsqueeze(0)  # [1, kvh, L, d], a view
+            values = v_pool[slots].transpose(0, 1).unsqueeze(0)
+            att = F.scaled_dot_product_attention(q.view(1, h, 1, d), keys, values, enable_gqa=h != kvh)  # [1, h, 1, d]
+            x = x + row_product(att.view(1, h * d), layer.o)
+            gate, up = row_product(rms_norm(x, layer.post_attention_norm, eps), layer.gate_up).chunk(2, dim=-1)
+            x = x + row_product(F.silu(gate) * up, layer.down)
+        if plan.head is None:
+            return x
+        assert model.norm is not None  # the last stage holds both
+        logits = row_product(model.norm(x), plan.head)  # [1, vocab padded]
+        return logits[:, : model.config.vocab_size].float()
+
+
+def _row_layer(layer: nn.Module, threads: int) -> _RowLayer | None:
+    assert isinstance(layer, DecoderLayer), layer
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv, o, gate_up, down = (
+        _row_weight(m, threads) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    )
+    if qkv is None or o is None or gate_up is None or down is None:
+        return None
+    return _RowLayer(
+        layer.layer_id,
+        layer.input_layernorm.weight.detach(),
+        layer.post_attention_layernorm.weight.detach(),
+        qkv,
+        o,
+        gate_up,
+        down,
+    )
+
+
+def _row_weight(module: nn.Module, threads: int) -> RowWeight | None:
+    """A linear layer's `row_weight(threads)` where it offers one (see `RowWeight`)."""
+    row_weight = getattr(module, "row_weight", None)
+    return None if row_weight is None else row_weight(threads)
