@@ -11,9 +11,12 @@ supervisor's (`layerline.supervisor`). Imports neither torch nor the model code.
 
 from __future__ import annotations
 
+import datetime
+import hashlib
 import itertools
 import json
 import os
+import platform
 import secrets
 import signal
 import socket
@@ -26,6 +29,7 @@ from typing import Any
 
 from layerline.client import Client, ClusterStatus, LayerlineError
 from layerline.coordinator.settings import CoordinatorSettings
+from layerline.model_store import cache_root
 from layerline.shared.certs import CertFiles, write_cluster_certs
 from layerline.shared.model_config import ModelConfig
 from layerline.shared.settings import format_size
@@ -34,6 +38,7 @@ from layerline.supervisor import Command, RestartPolicy, Supervisor
 
 SPLITS = ("measured", "weights")  # how `up` splits the layers without --layers (ClusterPlan.split)
 MEASURE_TIMEOUT_S = 300.0  # measuring a step's cost (a few seconds) never holds a start longer
+STEP_COSTS = "step-costs.json"  # in the cache directory: what a step costs, per model shape and machine
 
 
 @dataclass(frozen=True)
@@ -83,15 +88,55 @@ def split_layers(num_layers: int, stages: int, *, head_weight: float = 0.0) -> l
     return list(itertools.pairwise(bounds))
 
 
-def measured_step_cost(checkpoint: Path, *, threads: int, dtype: str, quantize: str = "none") -> dict[str, Any]:
+def measured_step_cost(
+    checkpoint: Path, *, threads: int, dtype: str, quantize: str = "none", cache: Path | None = None
+) -> dict[str, Any]:
     """What a decode step's layer and LM head cost on this machine (stage_worker/step_cost.py's
-    StepCost as a dict), measured in a process of its own: the launcher never imports torch."""
+    StepCost as a dict, with when it was measured), measured in a process of its own: the launcher
+    never imports torch. It is measured once per model shape, thread count, dtype, quantization and
+    machine (CPU model and count) and kept in `STEP_COSTS` in the cache directory, so that only a
+    machine's first `up` of a model waits the 5-10 s it takes; remove that file to measure again."""
+    key = _step_cost_key(checkpoint, threads=threads, dtype=dtype, quantize=quantize)
+    path = (cache or cache_root()) / STEP_COSTS
+    known = _read_costs(path)
+    if key in known:
+        return known[key]
     argv = [sys.executable, "-m", "layerline.stage_worker.step_cost", "--model", str(checkpoint)]
     argv += ["--threads", str(threads), "--dtype", dtype, "--quantize", quantize]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=MEASURE_TIMEOUT_S, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"measuring a step's cost failed: {done.stderr.strip()[-2000:]}")
-    return json.loads(done.stdout)
+    cost = json.loads(done.stdout) | {"measured_at": datetime.datetime.now().isoformat(timespec="seconds")}
+    known = _read_costs(path) | {key: cost}  # another process may have added its own meanwhile
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    partial.write_text(json.dumps(known, indent=1, sort_keys=True) + "\n")
+    partial.replace(path)  # whole or not at all, for a reader in another process
+    return cost
+
+
+def _step_cost_key(checkpoint: Path, *, threads: int, dtype: str, quantize: str) -> str:
+    """What a step's cost depends on: the model's shapes (its config, not its weights), the
+    stages' threads, dtype and quantization, and the machine."""
+    machine = [platform.machine(), os.cpu_count(), _cpu_model()]
+    parts = [(checkpoint / "config.json").read_text(), threads, dtype, quantize, machine]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
+
+
+def _cpu_model() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+
+
+def _read_costs(path: Path) -> dict[str, dict[str, Any]]:
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}  # none yet, or unreadable: measured again and written anew
+    return known if isinstance(known, dict) else {}
 
 
 def _first_token(path: str) -> str:
@@ -133,7 +178,8 @@ class LocalCluster:
                 self.head_weight = cost["head_weight"]
                 self.split_note = (
                     f"measured on {cost['threads']} thread(s), {cost['rows']} sequences a step: a layer "
-                    f"{cost['layer_ms']:.2f} ms, the LM head and sampling {self.head_weight:.1f} layers' worth"
+                    f"{cost['layer_ms']:.2f} ms, the LM head and sampling {self.head_weight:.1f} layers' worth "
+                    f"(at {cost.get('measured_at', 'an unknown time')}; kept in {cache_root() / STEP_COSTS})"
                 )
             self.ranges = split_layers(config.num_layers, plan.stages, head_weight=self.head_weight)
         if plan.metrics_port and plan.metrics_port + workers > 65535:

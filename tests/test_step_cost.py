@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+
 import pytest
 import torch
 
-from layerline.launcher import ClusterPlan, LocalCluster, measured_step_cost, split_layers
+from layerline.launcher import STEP_COSTS, ClusterPlan, LocalCluster, measured_step_cost, split_layers
 from layerline.shared.model_config import ModelConfig
 from layerline.stage_worker.step_cost import measure
 
@@ -42,12 +45,19 @@ def test_measuring_needs_three_layers(tmp_path):
         measure(ModelConfig.from_checkpoint(tmp_path), dtype=torch.float32)
 
 
-def test_up_splits_where_the_measured_head_puts_it(heads, tmp_path):
+def test_up_splits_where_the_measured_head_puts_it(heads, tmp_path, monkeypatch):
     _, large = heads
+    monkeypatch.setenv("LAYERLINE_HOME", str(tmp_path / "home"))
     cost = measured_step_cost(large, threads=1, dtype="float32")  # the process `up` runs
     assert cost["threads"] == 1 and cost["rows"] == 16 and cost["head_weight"] > 1
+    kept = json.loads((tmp_path / "home" / STEP_COSTS).read_text())
+    assert list(kept.values()) == [cost]
+    with monkeypatch.context() as m:  # measured once per machine: the second ask runs nothing
+        m.setattr(subprocess, "run", lambda *a, **k: pytest.fail(f"measured again: {a}"))
+        assert measured_step_cost(large, threads=1, dtype="float32") == cost
     cluster = LocalCluster(ClusterPlan(model=str(large), stages=2, log_dir=tmp_path / "m"), large)
     assert cluster.split_note.startswith("measured on 1 thread(s), 16 sequences a step")
+    assert f"at {cost['measured_at']}; kept in {tmp_path / 'home' / STEP_COSTS}" in cluster.split_note
     assert cluster.ranges == split_layers(6, 2, head_weight=cluster.head_weight)
     by_bytes = LocalCluster(ClusterPlan(model=str(large), stages=2, split="weights", log_dir=tmp_path / "w"), large)
     assert by_bytes.split_note == ""

@@ -127,16 +127,24 @@ def scrape(port: int) -> dict[str, Metric]:
 
 
 def scrape_when_idle(ports: dict[str, int], *, timeout: float = 60.0) -> dict[str, dict[str, Metric]]:
-    """Every process's metrics once the stages hold no KV: every step has come back and its
-    sequences are released (a decode step planned as a request finished may still be running
-    when the client has its answer)."""
+    """Every process's metrics once the cluster is idle: the coordinator runs no request and no
+    stage has computed a step since the scrape before, 0.2 s earlier (a decode step planned as a
+    request finished may still be running when the client has its answer). The stages' KV is
+    no sign: the prefix cache keeps finished requests' KV on them."""
     deadline = time.monotonic() + timeout
+    before: list[float] | None = None
     while True:
         metrics = {name: scrape(port) for name, port in ports.items()}
-        stages = [families for name, families in metrics.items() if name.startswith("stage")]
-        if all(value(f, "layerline_kv_blocks_used") == 0 for f in stages) or time.monotonic() > deadline:
+        steps = [
+            sum(s.value for s in families["layerline_stage_step_seconds"].samples if s.name.endswith("_count"))
+            for name, families in sorted(metrics.items())
+            if name.startswith("stage")
+        ]
+        running = value(metrics["coordinator"], "layerline_num_requests_running")
+        if (running == 0 and steps == before) or time.monotonic() > deadline:
             return metrics
-        time.sleep(0.1)
+        before = steps
+        time.sleep(0.2)
 
 
 def value(families: dict[str, Metric], family: str, sample: str | None = None, **labels: str) -> float:
