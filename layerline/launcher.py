@@ -19,7 +19,6 @@ import os
 import platform
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from layerline.coordinator.settings import CoordinatorSettings
 from layerline.model_store import cache_root
 from layerline.shared.certs import CertFiles, write_cluster_certs
 from layerline.shared.model_config import ModelConfig
+from layerline.shared.ports import free_port
 from layerline.shared.settings import format_size
 from layerline.stage_worker.settings import StageSettings
 from layerline.supervisor import Command, RestartPolicy, Supervisor
@@ -146,9 +146,7 @@ def _first_token(path: str) -> str:
 
 
 def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_port(host)
 
 
 class LocalCluster:

@@ -27,6 +27,7 @@ from grpc_health.v1 import health, health_pb2
 from layerline.model_store import resolve_model
 from layerline.protos.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 from layerline.shared.model_config import LayerRange, ModelConfig
+from layerline.shared.ports import free_port
 from layerline.shared.rpc import aio_channel, listen_on, server_options
 from layerline.shared.services import add_servicer, health_only_server
 from layerline.shared.settings import to_json
@@ -130,7 +131,7 @@ class StageWorker:
         if s.tp == 1:
             engine = self.build_engine(TensorParallel())
         else:
-            master = f"127.0.0.1:{tp_group.free_port()}"
+            master = f"127.0.0.1:{free_port()}"
             self.followers = tp_group.spawn_followers(to_json(s), size=s.tp, master=master)
             tp = tp_group.join_group(rank=0, size=s.tp, master=master, timeout_s=s.tp_timeout, device=s.device)
             engine = LeadingEngine(self.build_engine(tp), tp.group)  # type: ignore[assignment]  # its proxy

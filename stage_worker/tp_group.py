@@ -14,7 +14,6 @@ import datetime
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -26,12 +25,6 @@ from .parallel import TensorParallel
 log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def spawn_followers(settings_json: str, *, size: int, master: str) -> list[subprocess.Popen[bytes]]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,27 +16,18 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from layerline.protos.v1 import common_pb2, stage_pb2, stage_pb2_grpc
+from layerline.shared import ports
 from layerline.stage_worker import codec
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port on 127.0.0.1, outside the range outgoing connections take theirs from."""
+    return ports.free_port("127.0.0.1")
 
 
 def free_ports(n: int) -> int:
     """The first of n consecutive free ports on 127.0.0.1."""
-    for _ in range(100):
-        base = free_port()
-        try:
-            for port in range(base, base + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError(f"no {n} consecutive free ports")
+    return ports.free_port("127.0.0.1", count=n)
 
 
 class StageProcess:

@@ -1,7 +1,8 @@
 """The chaos soak, as `layerline bench chaos` runs it, on a tiny random model with SmolLM2's
 tokenizer: `up --replicas 2 --stages 2` under 24 streams of greedy and seeded requests while a
-driver SIGKILLs a random stage worker 3 times and SIGSTOPs one for 10 s. Every request must come
-back with exactly the tokens of the fault-free run, and `up` must serve 4 workers at the end."""
+driver SIGKILLs a random stage worker 3 times and SIGSTOPs one for 6 s, in 30 s. Every request
+must come back with exactly the tokens of the fault-free run, and `up` must serve 4 workers at
+the end."""
 
 from __future__ import annotations
 
@@ -31,11 +32,11 @@ def test_a_soak_of_kills_and_a_stop_under_up_loses_no_request_and_no_token(real_
             model=str(model),
             port=free_port(),
             run_dir=tmp_path / "run",
-            duration=45,
+            duration=30,
             streams=24,
             new_tokens=24,
             kills=3,
-            stop_seconds=10,
+            stop_seconds=6,
             seed=seed,
             log=print,
         )

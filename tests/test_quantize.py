@@ -213,20 +213,29 @@ def test_quantized_layer_on_cuda_multiplies_by_its_dense_weight(scheme):
     torch.testing.assert_close(layer(x), want, rtol=0, atol=want.abs().max().item() / 128)
 
 
-@pytest.mark.real_model
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_real_model_agrees_with_float32_greedy_tokens(real_model_dir, hf_real, hf_greedy, scheme):
-    """8 held prompts x 32 tokens, teacher-forced: at each position, the quantized model's argmax
-    is float32's greedy token (transformers') at 95% of the 256 positions or more. Measured on an
-    Intel Xeon (AVX-512): int8 246 of 256 (96.1%), int4 249 (97.3%)."""
-    from layerline.bench.quantize import HELD_PROMPTS, agreement
+@pytest.fixture(scope="module")
+def held_greedy(hf_real, hf_greedy) -> dict[str, tuple[list[int], list[int]]]:
+    """The held prompts' ids and transformers' 32 greedy float32 tokens after each, made once."""
+    from layerline.bench.quantize import HELD_PROMPTS
 
     tok, _ = hf_real
     held = {}
     for i, prompt in enumerate(HELD_PROMPTS):
         ids = tok(prompt)["input_ids"]
         held[str(i)] = (ids, hf_greedy(ids, 32))
+    return held
+
+
+@pytest.mark.real_model
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_real_model_agrees_with_float32_greedy_tokens(real_model_dir, held_greedy, scheme):
+    """8 held prompts x 32 tokens, teacher-forced: at each position, the quantized model's argmax
+    is float32's greedy token (transformers') at 95% of the 256 positions or more. Measured on an
+    Intel Xeon (AVX-512): int8 246 of 256 (96.1%), int4 249 (97.3%)."""
+    from layerline.bench.quantize import agreement
+
+    held = held_greedy
     stage = load_stage(real_model_dir, LayerRange(0, 30), quantize=scheme)
     agree, total = agreement(stage, held)
     assert total == 256

@@ -171,7 +171,7 @@ def _wait_for_chains(address: str, n: int, timeout: float = 90.0):  # type: igno
 
 @pytest.mark.timeout(300)
 def test_a_chain_short_of_kv_preempts_and_recomputes_and_every_request_completes_identically(checkpoint, tmp_path):
-    prompts = [f"{i:02d} " + "a long document about foxes and dogs, " * 8 + f"question {i}?" for i in range(32)]
+    prompts = [f"{i:02d} " + "a long document about foxes and dogs, " * 8 + f"question {i}?" for i in range(16)]
     # 184 KiB of KV on each stage: 736 positions of this model, 46 blocks of 16; a request takes 21
     # blocks to start (its ~320 prompt tokens and the next) and 25 once it has its 80 tokens
     cluster = _tiny_cluster(checkpoint, tmp_path, kv_memory="184K", coordinator_args=("--no-prefix-sharing",))

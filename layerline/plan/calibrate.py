@@ -199,7 +199,7 @@ def _allreduce_rank(rank: int, size: int, port: int, queue: multiprocessing.Queu
 
 
 def measure_allreduce(size: int) -> float:
-    from layerline.stage_worker.tp_group import free_port
+    from layerline.shared.ports import free_port
 
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()

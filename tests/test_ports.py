@@ -1,0 +1,33 @@
+"""Free ports for launched processes come from outside the range of outgoing connections' ports."""
+
+from __future__ import annotations
+
+import socket
+
+from layerline.shared import ports
+
+
+def test_free_ports_are_outside_the_ephemeral_range_and_bindable():
+    low, high = ports.ephemeral_range()
+    assert 1024 <= low <= high <= 65535
+    for count in (1, 3):
+        for _ in range(20):
+            base = ports.free_port("127.0.0.1", count=count)
+            assert not low <= base <= high and not low <= base + count - 1 <= high
+            assert base >= ports.LOWEST
+            for port in range(base, base + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+
+
+def test_a_port_something_listens_on_is_not_handed_out(monkeypatch):
+    """With the choice rigged to one port that a socket holds, and then to the next: the next."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        taken = held.getsockname()[1]
+        held.listen()
+        choices = iter([taken, taken + 1])
+        monkeypatch.setattr(ports.random.SystemRandom, "randint", lambda self, a, b: next(choices))
+        monkeypatch.setattr(ports, "ephemeral_range", lambda: (61000, 61000))
+        monkeypatch.setattr(ports, "LOWEST", 1024)
+        assert ports.free_port("127.0.0.1") == taken + 1
