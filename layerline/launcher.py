@@ -39,6 +39,7 @@ from layerline.supervisor import Command, RestartPolicy, Supervisor
 SPLITS = ("measured", "weights")  # how `up` splits the layers without --layers (ClusterPlan.split)
 MEASURE_TIMEOUT_S = 300.0  # measuring a step's cost (a few seconds) never holds a start longer
 STEP_COSTS = "step-costs.json"  # in the cache directory: what a step costs, per model shape and machine
+STEP_COST_METHOD = 2  # step_cost.py's way of measuring; a new one measures anew (part of the key)
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ def _step_cost_key(checkpoint: Path, *, threads: int, dtype: str, quantize: str)
     """What a step's cost depends on: the model's shapes (its config, not its weights), the
     stages' threads, dtype and quantization, and the machine."""
     machine = [platform.machine(), os.cpu_count(), _cpu_model()]
-    parts = [(checkpoint / "config.json").read_text(), threads, dtype, quantize, machine]
+    parts = [STEP_COST_METHOD, (checkpoint / "config.json").read_text(), threads, dtype, quantize, machine]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
 
 

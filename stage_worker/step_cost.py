@@ -36,7 +36,11 @@ from .llama import StageModel
 from .settings import QUANTIZE
 
 ROWS = 16  # the decode batch measured: where a chain under load spends its time
-CONTEXT = 128  # tokens each of its sequences holds
+# Tokens each of its sequences holds. A layer's attention grows with it and the head does not: at
+# 128 the head weighed 5.2 layers here (1 thread, AMD EPYC), at 32 and 64 5.9 and 6.0, and a
+# 2-stage chain under 32 streams of 17-81 tokens ran its stages at 77 and 87 ms a step on the
+# split that 128 gave (0:17), where its steps said the head was 6.3 layers' worth.
+CONTEXT = 64
 REPEATS = 15  # timed steps of each model, interleaved; the median of each is kept
 
 
