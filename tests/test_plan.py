@@ -194,6 +194,27 @@ def test_local_stages_share_the_cores_and_a_prompt_chunk_takes_them() -> None:
     assert many.aggregate_tok_s < 3 * few.aggregate_tok_s  # 6 replicas on 4 cores: not 3 times 2
 
 
+def test_local_chains_run_one_micro_batch_at_a_time_and_hosts_of_their_own_pipeline() -> None:
+    """On one CPU host (`up`, --depth 1) a 2-stage chain's many streams go through both stages as
+    one micro-batch on all the cores; on two hosts each stage takes one of two micro-batches."""
+    from layerline.plan.predict import CostModel
+
+    _, config = load_model_config("smollm2-135m-instruct")
+    work = Workload("float32", 512, 8, 300)
+    layout = Layout(1, 2, 1, ((0, 17), (17, 30)))
+    local = machine("cpu", profile=a_profile())
+    cost = CostModel(config, local, work, layout)
+    stages = layout.stages(config.num_layers)
+    one_round = sum(cost.stage(s, 8, context=512, alone=True) for s in stages)
+    one_round += cost.step_overhead() + cost.hop(crossing=False)
+    assert predict(config, layout, local, work).aggregate_tok_s == pytest.approx(8 / one_round)
+    hosts = machine("cpu,cpu", profile=a_profile())
+    two = CostModel(config, hosts, work, layout)
+    halves = [two.stage(s, 4, context=512, alone=False) for s in stages]
+    pipelined = predict(config, layout, hosts, work).aggregate_tok_s
+    assert pipelined <= 8 / (2 * max(halves)) and pipelined != pytest.approx(8 / one_round)
+
+
 # --- specs and errors ---------------------------------------------------------------------------
 
 

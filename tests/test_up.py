@@ -294,3 +294,14 @@ def test_sigterm_during_a_restart_delay_stops_everything_at_once(tmp_path: Path,
     assert elapsed < 10
     assert f"{name} restarted (pid" in said and "restart 3)" not in said
     assert said.rstrip().endswith("stopping ...")
+
+
+def test_up_runs_one_micro_batch_at_a_time_on_its_shared_cores_unless_told(up: Up, tiny, capsys) -> None:
+    """`up`'s chains share this machine's cores: its coordinator runs --depth 1 (see ClusterPlan.depth),
+    `up --depth N` says otherwise, and a depth below 1 is refused before anything starts."""
+    from layerline.cli import main
+
+    coordinators = [c for c in up.children().values() if " coordinator " in c]
+    assert len(coordinators) == 1 and " --depth 1 " in coordinators[0] + " "
+    assert main(["up", "--model", str(tiny[0]), "--depth", "0"]) == 2
+    assert "--depth 0: micro-batches in flight per chain must be at least 1" in capsys.readouterr().err

@@ -78,6 +78,15 @@ def _cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tp", type=int, default=plan.tp, metavar="T", help=f"tensor-parallel ranks per stage (default: {plan.tp})"
     )
+    p.add_argument(
+        "--depth",
+        type=int,
+        default=plan.depth,
+        metavar="N",
+        help="micro-batches in flight per chain: 1 computes each step on all the cores its chain's stages "
+        "share on this machine, which measured faster than one micro-batch per stage at every load; more "
+        f"pipelines them, which pays where stages have cores of their own (default: {plan.depth})",
+    )
     p.add_argument("--port", type=int, default=plan.port, metavar="P", help=f"coordinator port (default: {plan.port})")
     p.add_argument(
         "--kv-memory",
@@ -139,6 +148,7 @@ def _start_cluster(args: argparse.Namespace, *, restarts: RestartPolicy = Cluste
             restarts=restarts,
             http_port=args.http_port,
             split=args.split,
+            depth=args.depth,
             coordinator_args=("--speculate", str(args.speculate)),
         )
         cluster = LocalCluster(plan, checkpoint)  # checks (and with --split measured, measures) the split first

@@ -5,7 +5,8 @@ streams, at the matmul rate for `b` rows) plus a fixed time per layer (norms, ro
 cache writes: measured, not modelled), plus two all-reduces per layer under tensor parallelism. A
 token's round trip adds the coordinator's per-step time and each pipeline hop. With many streams,
 a chain keeps one micro-batch per stage in flight, and a round is bounded by the longest of: one
-micro-batch's trip, the busiest stage's share, and the cores (or the devices) the work must share.
+micro-batch's trip, the busiest stage's share, and the cores (or the devices) the work must share;
+on one CPU host a chain runs one micro-batch at a time, as `layerline up` does.
 
 On this machine (`cpu`) every figure comes from the measured profile, and the processes of a local
 cluster share its cores as `layerline up` shares them (launcher.py: threads per worker; the stage
@@ -216,8 +217,10 @@ def predict(config: ModelConfig, layout: Layout, machine: Machine, work: Workloa
     context = work.context
     single = [cost.stage(s, 1, context=context, alone=True) for s in stages]
     single_round = sum(single) + overhead
-    # Many streams: a chain's sequences split over one micro-batch per stage.
-    micro = min(layout.pp, per_chain)
+    # Many streams: a chain's sequences split over one micro-batch per stage, where its stages have
+    # devices or hosts of their own; `up` on this one host runs one at a time on all the cores its
+    # stages share (launcher.py, ClusterPlan.depth).
+    micro = 1 if machine.is_cpu and machine.nodes == 1 else min(layout.pp, per_chain)
     rows = math.ceil(per_chain / micro)
     many = [cost.stage(s, rows, context=context, alone=micro == 1) for s in stages]  # one micro-batch: alone
     bounds = [sum(many) + overhead, micro * max(many)]
