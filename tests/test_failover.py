@@ -130,7 +130,11 @@ def _cluster(real_model_dir, tmp_path, **plan):  # type: ignore[no-untyped-def]
         real_model_dir,
     )
     cluster.start()
-    cluster.wait_ready(timeout=180)
+    try:
+        cluster.wait_ready(timeout=180)
+    except BaseException:
+        cluster.stop()  # a start that fails leaves nothing running
+        raise
     return cluster
 
 

@@ -215,6 +215,17 @@ def test_local_chains_run_one_micro_batch_at_a_time_and_hosts_of_their_own_pipel
     assert pipelined <= 8 / (2 * max(halves)) and pipelined != pytest.approx(8 / one_round)
 
 
+def test_a_dtype_the_profile_did_not_measure_is_named() -> None:
+    """A CPU without bfloat16 instructions is calibrated in float32 only; planning bfloat16 on it says so."""
+    from layerline.plan.profile import ProfileError
+
+    _, config = load_model_config("smollm2-135m-instruct")
+    rates = a_profile().matmul_flops["float32"]
+    cpu = machine("cpu", profile=a_profile(matmul_flops={"float32": rates}))
+    with pytest.raises(ProfileError, match=r"no matmul rates for dtype bfloat16 \(measured: float32; bfloat16 only"):
+        predict(config, Layout(1, 1, 1, ((0, 30),)), cpu, Workload("bfloat16", 512, 1, 16))
+
+
 # --- specs and errors ---------------------------------------------------------------------------
 
 
@@ -401,3 +412,30 @@ def test_the_check_predicts_every_layout_it_measures(real_model_dir: Path) -> No
     assert all(predicted[name][f] > 0 for name in CHECKED for f in FIGURES)
     assert Row("1 stage", "ttft_ms", predicted=100.0, measured=80.0).within
     assert not Row("1 stage", "ttft_ms", predicted=100.0, measured=79.0).within  # 21 over 79 is 26.6%
+
+
+def test_the_check_s_link_rows_are_two_hosts_sharing_this_machine_s_cores(real_model_dir: Path) -> None:
+    """The link rows predict the lab as it is: two namespaces of this machine (its cores shared,
+    each stage on its share), a 1 Gbit/s link whose delay each token crosses twice."""
+    from layerline.plan import check_links
+    from layerline.plan.check import FIGURES, predictions
+    from layerline.plan.predict import CostModel
+    from layerline.shared.model_config import ModelConfig
+
+    config = ModelConfig.from_checkpoint(real_model_dir)
+    profile = a_profile()
+    lab = check_links.lab_machine(profile, 5.0)
+    assert (lab.nodes, lab.core_hosts, lab.inter.latency_s, lab.inter.bytes_per_s) == (2, 1, 0.005, 1.25e8)
+    layout = Layout(1, 2, 1, check_links.split(config, profile))
+    cost = CostModel(config, lab, Workload("float32", 64, 8, 16), layout)
+    assert (cost.threads, cost.prefill_threads) == (profile.cores // 2, profile.cores)  # as the lab's stages run
+    across = check_links.link_predictions(
+        config, profile, short=16, long=300, new_tokens=16, concurrency=4, dtype="float32"
+    )
+    local = predictions(config, profile, real_model_dir, new_tokens=16, concurrency=4, dtype="float32")["2 stages"]
+    one, five = across["2 stages, 1 ms link"], across["2 stages, 5 ms link"]
+    assert set(one) == set(five) == set(FIGURES)
+    # A lone stream pays each extra ms of delay twice a token.
+    gap = 1 / five["decode_tok_s"] - 1 / one["decode_tok_s"]
+    assert gap == pytest.approx(2 * 0.004, rel=1e-6)
+    assert local["decode_tok_s"] > one["decode_tok_s"] > five["decode_tok_s"]

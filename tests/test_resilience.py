@@ -64,7 +64,11 @@ def _tiny_cluster(checkpoint: Path, log_dir: Path, **plan: object) -> LocalClust
         checkpoint,
     )
     cluster.start()
-    cluster.wait_ready(timeout=120)
+    try:
+        cluster.wait_ready(timeout=120)
+    except BaseException:
+        cluster.stop()  # a start that fails leaves nothing running
+        raise
     return cluster
 
 

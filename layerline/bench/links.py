@@ -76,7 +76,7 @@ def run_links(
         a, b = lab.host("a"), lab.host("b")
         logs = out / "logs"
         logs.mkdir(exist_ok=True)
-        spawn = _spawner(lab, logs, ["--model", str(checkpoint)])
+        spawn = spawner(lab, logs, ["--model", str(checkpoint)])
         registry, target = f"{a.address}:7071", f"{a.address}:7070"
         ports = ["--port", "7070", "--cluster-port", "7071", "--prefix-cache", "0"]
         spawn(a, "coordinator", ["coordinator", "--host", a.address, *ports])
@@ -93,7 +93,7 @@ def run_links(
         log(f"one host: the whole model on host A ({cores} threads) ...")
         whole = stage(a, "0:30", 7090, cores)
         points.append(_measure(lab, a, target, None, 0.0, tokens=tokens, rounds=rounds))
-        _stop_all([whole])
+        stop_all([whole])
         for rate in rates_mbit:
             for host in (a, b):
                 lab.shape(host, rate)
@@ -105,14 +105,14 @@ def run_links(
                 point = _measure(lab, a, target, rate, delay, tokens=tokens, rounds=rounds)
                 wire_ms = 1000 * point.long_prompt_tokens * width * 8 / (rate * 1e6)
                 points.append(replace(point, prompt_wire_ms=wire_ms))
-                _stop_all(pair)  # each deregisters as it drains, so the next pair starts on a clean slate
+                stop_all(pair)  # each deregisters as it drains, so the next pair starts on a clean slate
     (out / "links.md").write_text(table(points))
     (out / "links.json").write_text(json.dumps([asdict(p) for p in points], indent=2) + "\n")
     plot(points, out / "links.png")
     return points
 
 
-def _spawner(lab: NetLab, logs: Path, model: list[str]) -> Callable[[Host, str, list[str]], subprocess.Popen[bytes]]:
+def spawner(lab: NetLab, logs: Path, model: list[str]) -> Callable[[Host, str, list[str]], subprocess.Popen[bytes]]:
     def spawn(host: Host, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
         log = (logs / f"{name}.log").open("ab")
         command = [sys.executable, "-m", "layerline", *argv, *model]
@@ -121,7 +121,7 @@ def _spawner(lab: NetLab, logs: Path, model: list[str]) -> Callable[[Host, str, 
     return spawn
 
 
-def _stop_all(processes: Sequence[subprocess.Popen[bytes]]) -> None:
+def stop_all(processes: Sequence[subprocess.Popen[bytes]]) -> None:
     for process in processes:
         process.terminate()
     for process in processes:

@@ -231,7 +231,8 @@ def add_plan_commands(commands: Subcommands) -> None:
         "--check",
         action="store_true",
         help="calibrate (and save the profile), then start local clusters of the embedded model (1, 2, 3 "
-        "stages, 2 replicas, tp 3), measure them in interleaved rounds and print each prediction beside its "
+        "stages, 2 replicas, tp 3) and, as root, a 2-stage chain across 1 ms and 5 ms links between two test "
+        "hosts (network namespaces), measure them in interleaved rounds and print each prediction beside its "
         "measurement; exit 1 unless all are within 25%%",
     )
     modes.add_argument(

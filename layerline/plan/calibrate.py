@@ -35,6 +35,16 @@ from layerline.shared.model_config import LayerRange, ModelConfig
 from .profile import MATMUL_ROWS, MachineProfile
 
 DTYPES = ("float32", "bfloat16")
+
+
+def measured_dtypes() -> tuple[str, ...]:
+    """The dtypes calibrated here: bfloat16 only on a CPU with bfloat16 instructions, where torch
+    runs it in oneDNN. Elsewhere its matmuls fall back to code so slow that measuring them took
+    longer than a quarter of an hour (AMD EPYC, AVX2), and no layout would choose it."""
+    bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return DTYPES if bf16 else ("float32",)
+
+
 WIDE: dict[
     str, int | str
 ] = {  # a model whose steps are mostly its weights' matmuls: 2 layers of 69M parameters, 556 MB in float32
@@ -149,7 +159,7 @@ def measure_matmul(cores: int, log: Callable[[str], None]) -> dict[str, dict[str
     falls on both alike."""
     rates: dict[str, dict[str, dict[str, float]]] = {}
     counts = sorted({1, cores})
-    for name in DTYPES:
+    for name in measured_dtypes():
         engine = _Engine(WIDE, WIDE_LAYERS, name, 1)
         samples: dict[int, dict[int, list[float]]] = {t: {} for t in counts}
         for rows in MATMUL_ROWS:
@@ -172,7 +182,7 @@ def measure_matmul(cores: int, log: Callable[[str], None]) -> dict[str, dict[str
 def measure_layer_overhead() -> tuple[dict[str, float], dict[str, float]]:
     """Per dtype: a layer's fixed time (slope over depth) and a stage step's (intercept), one token."""
     per_layer, per_step = {}, {}
-    for dtype in DTYPES:
+    for dtype in measured_dtypes():
         shallow = _Engine(NARROW, 4, dtype, 1).decode(1, 40)
         deep = _Engine(NARROW, 24, dtype, 1).decode(1, 40)
         per_layer[dtype] = max((deep - shallow) / 20, 1e-7)
@@ -275,6 +285,8 @@ def calibrate(checkpoint: Path, *, port: int = 7580, log: Callable[[str], None] 
     bandwidth = measure_bandwidth()
     log(f"memory bandwidth, one thread: {bandwidth / 1e9:.1f} GB/s")
     matmul = measure_matmul(cores, log)
+    if "bfloat16" not in matmul:
+        log("bfloat16: not measured, this CPU has no bfloat16 instructions (plans for it here need --dtype float32)")
     per_layer, per_step = measure_layer_overhead()
     log("a layer's fixed time: " + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in per_layer.items()))
     allreduce = {str(size): measure_allreduce(size) for size in (2, 3)}

@@ -4,8 +4,9 @@ in the same run.
 Owns the comparison. It starts real local clusters of the embedded model (1, 2 and 3 stages,
 2 replicas of 1 stage, and 1 stage at tp 3), as `layerline bench` does, and measures each one's
 single-stream decode tokens/s, aggregate tokens/s of `concurrency` streams and first token of a
-prompt of about 300 tokens, in interleaved rounds (medians kept). It predicts the same figures from
-the machine's profile. A figure is within tolerance when it is within 25% of the measurement.
+prompt of about 300 tokens, in interleaved rounds (medians kept), and, as root, a 2-stage chain
+across 1 ms and 5 ms links between two test hosts (check_links.py). It predicts the same figures
+from the machine's profile. A figure is within tolerance when it is within 25% of the measurement.
 The aggregate prediction is of the same thing the measurement times: the streams' prompts, then
 their tokens.
 """
@@ -22,6 +23,7 @@ from layerline.bench.run import LONG_PROMPT, PROMPT, cluster_aggregate, cluster_
 from layerline.launcher import ClusterPlan, LocalCluster
 from layerline.shared.model_config import ModelConfig
 
+from . import check_links
 from .hardware import CPU, DEFAULT_INTER_HOST, LINKS
 from .predict import Layout, Machine, Workload, predict
 from .profile import MachineProfile
@@ -143,14 +145,36 @@ def run_check(
     concurrency: int = 8,
     rounds: int = 3,
     port: int = 7620,
+    links: bool = True,
     log: Callable[[str], None] = print,
 ) -> list[Row]:
+    """Predictions beside measurements for the local layouts and, with `links` where this machine
+    can make test hosts (root), for 2 stages across 1 ms and 5 ms links (check_links.py)."""
     config = ModelConfig.from_checkpoint(checkpoint)
     predicted = predictions(config, profile, checkpoint, new_tokens=new_tokens, concurrency=concurrency, dtype=dtype)
     measured = measure(
         checkpoint, dtype=dtype, new_tokens=new_tokens, concurrency=concurrency, rounds=rounds, port=port, log=log
     )
-    return [Row(name, f, predicted[name][f], measured[name][f]) for name in CHECKED for f in FIGURES]
+    rows = [Row(name, f, predicted[name][f], measured[name][f]) for name in CHECKED for f in FIGURES]
+    if not links:
+        return rows
+    short, long = _tokens(checkpoint, PROMPT), _tokens(checkpoint, LONG_PROMPT)
+    across = check_links.link_predictions(
+        config, profile, short=short, long=long, new_tokens=new_tokens, concurrency=concurrency, dtype=dtype
+    )
+    lab = check_links.measure_links(
+        checkpoint,
+        check_links.split(config, profile),
+        dtype=dtype,
+        new_tokens=new_tokens,
+        concurrency=concurrency,
+        rounds=rounds,
+        log=log,
+    )
+    if isinstance(lab, str):
+        log(f"2 stages across 1 ms and 5 ms links: not measured here, {lab}")
+        return rows
+    return rows + [Row(name, f, across[name][f], lab[name][f]) for name in check_links.DELAYS_MS for f in FIGURES]
 
 
 def check_table(rows: list[Row], *, concurrency: int) -> str:

@@ -92,6 +92,14 @@ class Machine:
     intra: Link | None  # between devices of a node (None: this machine's measured local hop)
     inter: Link  # between nodes
     profile: MachineProfile | None
+    # The CPU nodes are network namespaces of this one machine (netlab's test hosts, which
+    # `plan --check` runs across links): they share its cores and memory, as `up`'s processes do.
+    shared_cores: bool = False
+
+    @property
+    def core_hosts(self) -> int:
+        """How many machines' cores the nodes have between them."""
+        return 1 if self.shared_cores else self.nodes
 
     @property
     def is_cpu(self) -> bool:
@@ -124,7 +132,7 @@ class CostModel:
         ranks_per_host = layout.ranks if machine.is_cpu else 1
         if machine.is_cpu:
             assert self.profile is not None
-            hosts = machine.nodes
+            hosts = machine.core_hosts
             self.cores = self.profile.cores
             workers = max(1, math.ceil(layout.pp * layout.dp / hosts))
             self.threads = max(1, self.cores // (workers * layout.tp))  # launcher.py's share
@@ -199,7 +207,7 @@ def predict(config: ModelConfig, layout: Layout, machine: Machine, work: Workloa
     ]
     if machine.is_cpu:  # every rank on a host shares its RAM
         assert machine.profile is not None
-        per_host = max(1, math.ceil(layout.dp * layout.pp / machine.nodes))
+        per_host = max(1, math.ceil(layout.dp * layout.pp / machine.core_hosts))
         ranks = [
             Memory(*(layout.tp * getattr(m, f) for f in ("weights", "kv_cache", "activations", "runtime")))
             for m in memories
@@ -227,7 +235,7 @@ def predict(config: ModelConfig, layout: Layout, machine: Machine, work: Workloa
     if machine.is_cpu:  # a host's cores are shared by the ranks of every stage of every chain on it
         threads = cost.cpu_threads(alone=micro == 1)
         core_seconds = layout.dp * micro * sum(many) * layout.tp * threads / max(1.0, layout.tp * threads / cost.cores)
-        bounds.append(core_seconds / (cost.cores * machine.nodes))
+        bounds.append(core_seconds / (cost.cores * machine.core_hosts))
     rounds = max(bounds)
     chunks = [
         min(PREFILL_CHUNK_TOKENS, work.prompt_tokens - i) for i in range(0, work.prompt_tokens, PREFILL_CHUNK_TOKENS)

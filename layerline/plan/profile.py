@@ -50,7 +50,11 @@ class MachineProfile:
         """Multiply-adds x2 per second at `rows` on `threads`: interpolated in log space between the
         measured row counts, linearly between the measured thread counts (clamped to the measured)."""
         if dtype not in self.matmul_flops:
-            raise ProfileError(f"the profile has no matmul rates for dtype {dtype}: run `layerline plan --calibrate`")
+            raise ProfileError(
+                f"the profile has no matmul rates for dtype {dtype} (measured: {', '.join(sorted(self.matmul_flops))}; "
+                "bfloat16 only where the CPU has bfloat16 instructions): plan another --dtype, or run "
+                "`layerline plan --calibrate` on a machine that has them"
+            )
         by_threads = {int(t): {int(r): v for r, v in table.items()} for t, table in self.matmul_flops[dtype].items()}
         measured = sorted(by_threads)
         below = max([t for t in measured if t <= threads] or measured[:1])
