@@ -49,6 +49,7 @@ def a_profile(**changes: object) -> MachineProfile:
         torch_version="2.13.0",
         bandwidth_bytes_s=8e9,
         matmul_flops={"float32": rates, "bfloat16": rates},
+        small_matmul_flops={"float32": rates, "bfloat16": rates},
         layer_overhead_s={"float32": 150e-6, "bfloat16": 200e-6},
         stage_step_s={"float32": 300e-6, "bfloat16": 300e-6},
         step_overhead_s=2e-3,
@@ -215,6 +216,21 @@ def test_local_chains_run_one_micro_batch_at_a_time_and_hosts_of_their_own_pipel
     assert pipelined <= 8 / (2 * max(halves)) and pipelined != pytest.approx(8 / one_round)
 
 
+def test_matmul_rates_are_read_at_the_model_s_width() -> None:
+    """The embedded model's width reads the small layers' rates, a wide model's the wide ones',
+    and a width between them lies between them, in log space."""
+    from layerline.plan.profile import SMALL_HIDDEN, WIDE_HIDDEN
+
+    wide = a_profile().matmul_flops["float32"]
+    small = {t: {r: v / 4 for r, v in by_rows.items()} for t, by_rows in wide.items()}
+    profile = a_profile(small_matmul_flops={"float32": small})
+    assert profile.matmul_rate("float32", 1, 1, hidden=SMALL_HIDDEN) == pytest.approx(1e9)
+    assert profile.matmul_rate("float32", 1, 1, hidden=WIDE_HIDDEN) == pytest.approx(4e9)
+    assert profile.matmul_rate("float32", 1, 1, hidden=8192) == pytest.approx(4e9)  # clamped
+    between = int((SMALL_HIDDEN * WIDE_HIDDEN) ** 0.5)
+    assert profile.matmul_rate("float32", 1, 1, hidden=between) == pytest.approx(2e9, rel=1e-3)
+
+
 def test_a_dtype_the_profile_did_not_measure_is_named() -> None:
     """A CPU without bfloat16 instructions is calibrated in float32 only; planning bfloat16 on it says so."""
     from layerline.plan.profile import ProfileError
@@ -319,7 +335,7 @@ def test_an_emitted_distributed_up_command_parses(tmp_path: Path, capsys: pytest
     profile = tmp_path / "profile.json"
     one_thread = a_profile().matmul_flops["float32"]["1"]
     poor = {"1": one_thread, "4": {r: 1.2 * v for r, v in one_thread.items()}}
-    a_profile(matmul_flops={"float32": poor, "bfloat16": poor}).save(profile)
+    a_profile(matmul_flops={"float32": poor, "bfloat16": poor}, small_matmul_flops={"float32": poor}).save(profile)
     # SmolLM2 on made-up 4 cores that one process's threads hardly share: tp 3 reads a third of the
     # weights a token in each of 3 processes, where one process on 4 threads is only 1.2x as fast.
     plan = ["plan", "--model", "smollm2-135m-instruct", "--profile", str(profile), "--target-latency", "50"]

@@ -2,8 +2,10 @@
 
 Owns the measurements, each a median of repeats, and nothing about how they are used:
 - memory bandwidth: one thread summing a tensor far larger than the caches;
-- matmul rates per dtype (float32, bfloat16) at the row counts of a decode step up to a prompt
-  chunk, on one thread and on every core, against a weight larger than the caches;
+- matmul rates per dtype (float32, and bfloat16 where the CPU has its instructions) at the row
+  counts of a decode step up to a prompt chunk, on one thread and on every core, on the layers of
+  two random models larger than the caches: one of the embedded model's width (a layer's fixed
+  time taken out) and a wide one;
 - a decoder layer's time besides its weights, and a stage step's fixed time: layerline's own
   stage engine, one thread, on narrow random models of two depths (the slope and the intercept);
 - an all-reduce of a token's hidden state among 2 and 3 gloo ranks on this machine, as a
@@ -32,7 +34,7 @@ import torch
 from layerline.launcher import ClusterPlan, LocalCluster
 from layerline.shared.model_config import LayerRange, ModelConfig
 
-from .profile import MATMUL_ROWS, MachineProfile
+from .profile import MATMUL_ROWS, SMALL_HIDDEN, WIDE_HIDDEN, MachineProfile
 
 DTYPES = ("float32", "bfloat16")
 
@@ -49,7 +51,7 @@ WIDE: dict[
     str, int | str
 ] = {  # a model whose steps are mostly its weights' matmuls: 2 layers of 69M parameters, 556 MB in float32
     "model_type": "llama",
-    "hidden_size": 2560,
+    "hidden_size": WIDE_HIDDEN,
     "intermediate_size": 6912,
     "num_attention_heads": 20,
     "num_key_value_heads": 4,
@@ -57,6 +59,16 @@ WIDE: dict[
     "max_position_embeddings": 512,
 }
 WIDE_LAYERS = 2
+SMALL: dict[str, int | str] = {  # the embedded model's layers (SmolLM2-135M): its matrices, its rates
+    "model_type": "llama",
+    "hidden_size": SMALL_HIDDEN,
+    "intermediate_size": 1536,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+}
+SMALL_LAYERS = 12  # 170 MB of float32: more than the caches
 BANDWIDTH_ELEMENTS = 1 << 28  # 1 GiB of float32
 ALLREDUCE_WIDTH = 4096  # a token's hidden state, float32
 ALLREDUCE_ROUNDS = 300
@@ -152,22 +164,29 @@ class _Engine:
         return _median_time(step, repeats)
 
 
-def measure_matmul(cores: int, log: Callable[[str], None]) -> dict[str, dict[str, dict[str, float]]]:
-    """The rate of layerline's own linear layers: steps of a wide random model whose weights are most
-    of its time (their fixed time, measured apart, is a few percent), as multiply-adds x2 per second.
-    One thread and every core take turns at each row count, twice, so that a shared machine's load
-    falls on both alike."""
+def measure_matmul(
+    cores: int,
+    log: Callable[[str], None],
+    *,
+    shape: dict[str, int | str] = WIDE,
+    layers: int = WIDE_LAYERS,
+    overhead: tuple[dict[str, float], dict[str, float]] | None = None,
+) -> dict[str, dict[str, dict[str, float]]]:
+    """dtype -> threads -> rows -> the rate of layerline's linear layers on a random model of `shape`:
+    its steps' time (less `overhead`'s fixed time of its layers and step, where given) over the
+    multiply-adds of its weights."""
     rates: dict[str, dict[str, dict[str, float]]] = {}
     counts = sorted({1, cores})
     for name in measured_dtypes():
-        engine = _Engine(WIDE, WIDE_LAYERS, name, 1)
+        engine = _Engine(shape, layers, name, 1)
+        fixed = overhead[0][name] * layers + overhead[1][name] if overhead is not None else 0.0
         samples: dict[int, dict[int, list[float]]] = {t: {} for t in counts}
         for rows in MATMUL_ROWS:
             for _ in range(2):
                 for threads in counts:
                     engine.engine.max_threads = engine.engine.prefill_threads = threads
                     seconds = engine.decode(rows, 5) if rows <= 16 else engine.prefill(rows, 2)
-                    samples[threads].setdefault(rows, []).append(seconds)
+                    samples[threads].setdefault(rows, []).append(max(seconds - fixed, 0.25 * seconds))
         rates[name] = {
             str(t): {str(r): 2.0 * engine.params * r / statistics.median(v) for r, v in by_rows.items()}
             for t, by_rows in samples.items()
@@ -175,7 +194,7 @@ def measure_matmul(cores: int, log: Callable[[str], None]) -> dict[str, dict[str
         del engine
         for t, by_rows in rates[name].items():
             shown = ", ".join(f"{r} rows {v / 1e9:.1f}" for r, v in by_rows.items())
-            log(f"layerline's matmuls, {name}, {t} thread(s): {shown} GFLOP/s")
+            log(f"layerline's matmuls, hidden {shape['hidden_size']}, {name}, {t} thread(s): {shown} GFLOP/s")
     return rates
 
 
@@ -284,11 +303,12 @@ def calibrate(checkpoint: Path, *, port: int = 7580, log: Callable[[str], None] 
     log(f"CPU: {cpu_name()}, {cores} cores")
     bandwidth = measure_bandwidth()
     log(f"memory bandwidth, one thread: {bandwidth / 1e9:.1f} GB/s")
-    matmul = measure_matmul(cores, log)
-    if "bfloat16" not in matmul:
-        log("bfloat16: not measured, this CPU has no bfloat16 instructions (plans for it here need --dtype float32)")
     per_layer, per_step = measure_layer_overhead()
     log("a layer's fixed time: " + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in per_layer.items()))
+    matmul = measure_matmul(cores, log)
+    small = measure_matmul(cores, log, shape=SMALL, layers=SMALL_LAYERS, overhead=(per_layer, per_step))
+    if "bfloat16" not in matmul:
+        log("bfloat16: not measured, this CPU has no bfloat16 instructions (plans for it here need --dtype float32)")
     allreduce = {str(size): measure_allreduce(size) for size in (2, 3)}
     log("all-reduce of a hidden state: " + ", ".join(f"tp {k} {v * 1e6:.0f} us" for k, v in allreduce.items()))
     runtime = measure_runtime_bytes()
@@ -302,6 +322,7 @@ def calibrate(checkpoint: Path, *, port: int = 7580, log: Callable[[str], None] 
         torch_version=torch.__version__,
         bandwidth_bytes_s=bandwidth,
         matmul_flops=matmul,
+        small_matmul_flops=small,
         layer_overhead_s=per_layer,
         stage_step_s=per_step,
         step_overhead_s=step,

@@ -188,7 +188,9 @@ class CostModel:
         assert p is not None
         dtype = self.work.dtype
         threads = self.cpu_threads(alone=alone)
-        seconds = per_row * rows / p.matmul_rate(dtype, threads, rows) + head / p.matmul_rate(dtype, threads, 1)
+        hidden = self.config.hidden_size
+        seconds = per_row * rows / p.matmul_rate(dtype, threads, rows, hidden=hidden)
+        seconds += head / p.matmul_rate(dtype, threads, 1, hidden=hidden)
         seconds += layers * p.layer_overhead_s.get(dtype, max(p.layer_overhead_s.values()))
         seconds += p.stage_step_s.get(dtype, max(p.stage_step_s.values()))
         # A stage's tp ranks compute at once: more threads than cores and each runs that much slower.

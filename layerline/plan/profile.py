@@ -16,8 +16,12 @@ from typing import Any
 
 from layerline.model_store import cache_root
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 MATMUL_ROWS = (1, 4, 8, 16, 64, 256)  # the row counts measured: decode steps up to prompt chunks
+# The hidden sizes whose layers the matmul rates are measured on: the embedded model's, and a wide
+# model's whose steps are nearly all streaming weights. A model between them is read in between.
+SMALL_HIDDEN = 576
+WIDE_HIDDEN = 2560
 
 
 class ProfileError(ValueError):
@@ -35,9 +39,12 @@ class MachineProfile:
     memory_bytes: int  # RAM
     torch_version: str  # the torch that was measured
     bandwidth_bytes_s: float  # reading a large tensor, one thread
-    # dtype -> threads ("1", and the core count) -> rows -> multiply-adds x2 per second of x @ W.T
-    # with a weight larger than the caches
+    # dtype -> threads ("1", and the core count) -> rows -> multiply-adds x2 per second of the
+    # linear layers of a WIDE_HIDDEN model, weights larger than the caches
     matmul_flops: dict[str, dict[str, dict[str, float]]]
+    # the same for layers of SMALL_HIDDEN (smaller matrices make less of the memory: at one row
+    # 9 against 13 GFLOP/s on two threads of an AMD EPYC), a layer's fixed time taken out
+    small_matmul_flops: dict[str, dict[str, dict[str, float]]]
     layer_overhead_s: dict[str, float]  # dtype -> a decoder layer's step time that is not its weights (1 token)
     stage_step_s: dict[str, float]  # dtype -> a stage step's fixed compute besides its layers (1 token)
     step_overhead_s: float  # a step's time on layerline's path that is not compute: coordinator and 1 hop
@@ -46,23 +53,20 @@ class MachineProfile:
     runtime_bytes: int  # a stage process's memory besides weights, KV and activations
     version: int = PROFILE_VERSION
 
-    def matmul_rate(self, dtype: str, threads: int, rows: float) -> float:
-        """Multiply-adds x2 per second at `rows` on `threads`: interpolated in log space between the
-        measured row counts, linearly between the measured thread counts (clamped to the measured)."""
+    def matmul_rate(self, dtype: str, threads: int, rows: float, *, hidden: int = WIDE_HIDDEN) -> float:
+        """Multiply-adds x2 per second at `rows` on `threads`, for layers of width `hidden`:
+        interpolated in log space between the measured row counts and widths, linearly between the
+        measured thread counts (each clamped to what was measured)."""
         if dtype not in self.matmul_flops:
             raise ProfileError(
                 f"the profile has no matmul rates for dtype {dtype} (measured: {', '.join(sorted(self.matmul_flops))}; "
                 "bfloat16 only where the CPU has bfloat16 instructions): plan another --dtype, or run "
                 "`layerline plan --calibrate` on a machine that has them"
             )
-        by_threads = {int(t): {int(r): v for r, v in table.items()} for t, table in self.matmul_flops[dtype].items()}
-        measured = sorted(by_threads)
-        below = max([t for t in measured if t <= threads] or measured[:1])
-        above = min([t for t in measured if t >= threads] or measured[-1:])
-        low, high = _by_rows(by_threads[below], rows), _by_rows(by_threads[above], rows)
-        if above == below:
-            return low
-        return low + (high - low) * (threads - below) / (above - below)
+        wide = _by_threads(self.matmul_flops[dtype], threads, rows)
+        small = _by_threads(self.small_matmul_flops.get(dtype, self.matmul_flops[dtype]), threads, rows)
+        w = min(max(math.log(hidden / SMALL_HIDDEN) / math.log(WIDE_HIDDEN / SMALL_HIDDEN), 0.0), 1.0)
+        return math.exp((1 - w) * math.log(small) + w * math.log(wide))
 
     def allreduce(self, tp: int) -> float:
         if tp == 1:
@@ -104,6 +108,7 @@ class MachineProfile:
             _positive(raw[name], f"{source}: {name}")
         _positive(raw["hop_s"], f"{source}: hop_s", zero=True)
         _table(raw["matmul_flops"], f"{source}: matmul_flops", depth=3)
+        _table(raw["small_matmul_flops"], f"{source}: small_matmul_flops", depth=3)
         _table(raw["layer_overhead_s"], f"{source}: layer_overhead_s", depth=1)
         _table(raw["stage_step_s"], f"{source}: stage_step_s", depth=1)
         _table(raw["allreduce_s"], f"{source}: allreduce_s", depth=1, allow_empty=True)
@@ -111,6 +116,17 @@ class MachineProfile:
             if not isinstance(raw[name], str):
                 raise ProfileError(f"{source}: {name} must be a string")
         return cls(**raw)
+
+
+def _by_threads(table: dict[str, dict[str, float]], threads: int, rows: float) -> float:
+    by_threads = {int(t): {int(r): v for r, v in inner.items()} for t, inner in table.items()}
+    measured = sorted(by_threads)
+    below = max([t for t in measured if t <= threads] or measured[:1])
+    above = min([t for t in measured if t >= threads] or measured[-1:])
+    low, high = _by_rows(by_threads[below], rows), _by_rows(by_threads[above], rows)
+    if above == below:
+        return low
+    return low + (high - low) * (threads - below) / (above - below)
 
 
 def _by_rows(table: dict[int, float], rows: float) -> float:
