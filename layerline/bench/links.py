@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from layerline.client import Client
 from layerline.shared.model_config import ModelConfig
 
 from .netlab import Host, NetLab, unavailable
@@ -139,21 +140,28 @@ def _measure(
     return Point(rate, delay, **figures)
 
 
+def wait_for_a_chain(client: Client, *, timeout: float = 300.0) -> None:
+    """Until the coordinator reports a complete chain, then one short answer to warm it up."""
+    from layerline.client import LayerlineError
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if client.cluster(timeout=5).chains:
+                client.generate(PROMPT, max_tokens=4, temperature=0.0)
+                return
+        except LayerlineError:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.5)
+
+
 def probe(target: str, *, tokens: int, rounds: int) -> dict[str, float]:
     """Run inside host A: wait for the chain, warm up, then the medians of `rounds` measurements."""
-    from layerline.client import AsyncClient, Client, LayerlineError
+    from layerline.client import AsyncClient, Client
 
     with Client(target) as client:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if client.cluster(timeout=5).chains:
-                    client.generate(PROMPT, max_tokens=4, temperature=0.0)  # warm up
-                    break
-            except LayerlineError:
-                if time.monotonic() > deadline:
-                    raise
-            time.sleep(0.5)
+        wait_for_a_chain(client)
         singles, longs = [], []
         prompt_tokens = 0
         for _ in range(rounds):

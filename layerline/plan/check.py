@@ -25,7 +25,7 @@ from layerline.shared.model_config import ModelConfig
 
 from . import check_links
 from .hardware import CPU, DEFAULT_INTER_HOST, LINKS
-from .predict import Layout, Machine, Workload, predict
+from .predict import Layout, Machine
 from .profile import MachineProfile
 from .recommend import layouts
 
@@ -71,17 +71,16 @@ def predictions(
     out = {}
     for name, shape in CHECKED.items():
         layout: Layout = by_shape[shape]
-        streams = predict(
-            config, layout, machine, Workload(dtype, short + new_tokens, concurrency, concurrency * short)
+        out[name] = check_links.figures(
+            config,
+            layout,
+            machine,
+            short=short,
+            long=long,
+            new_tokens=new_tokens,
+            concurrency=concurrency,
+            dtype=dtype,
         )
-        first = predict(config, layout, machine, Workload(dtype, long, 1, long))
-        # The measured aggregate times the streams' prompts (one step of all of them) and then their tokens.
-        seconds = streams.ttft_ms / 1000 + (new_tokens - 1) * concurrency / streams.aggregate_tok_s
-        out[name] = {
-            "decode_tok_s": streams.decode_tok_s,
-            "aggregate_tok_s": concurrency * new_tokens / seconds,
-            "ttft_ms": first.ttft_ms,
-        }
     return out
 
 

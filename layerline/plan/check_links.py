@@ -25,11 +25,10 @@ from pathlib import Path
 
 from layerline.bench import links
 from layerline.bench.netlab import Host, NetLab, unavailable
-from layerline.bench.run import PROMPT
 from layerline.shared.model_config import ModelConfig
 
 from .hardware import CPU, Link
-from .predict import Machine, Workload, predict
+from .predict import Layout, Machine, Workload, predict
 from .profile import MachineProfile
 from .recommend import layouts
 
@@ -49,6 +48,30 @@ def split(config: ModelConfig, profile: MachineProfile) -> tuple[tuple[int, int]
     return layout.layers
 
 
+def figures(
+    config: ModelConfig,
+    layout: Layout,
+    machine: Machine,
+    *,
+    short: int,
+    long: int,
+    new_tokens: int,
+    concurrency: int,
+    dtype: str,
+) -> dict[str, float]:
+    """The check's three figures predicted for one layout (check.py's rows use it too); `short`
+    and `long` are the prompts' token counts."""
+    streams = predict(config, layout, machine, Workload(dtype, short + new_tokens, concurrency, concurrency * short))
+    first = predict(config, layout, machine, Workload(dtype, long, 1, long))
+    # The measured aggregate times the streams' prompts (one step of all of them) and then their tokens.
+    seconds = streams.ttft_ms / 1000 + (new_tokens - 1) * concurrency / streams.aggregate_tok_s
+    return {
+        "decode_tok_s": streams.decode_tok_s,
+        "aggregate_tok_s": concurrency * new_tokens / seconds,
+        "ttft_ms": first.ttft_ms,
+    }
+
+
 def link_predictions(
     config: ModelConfig,
     profile: MachineProfile,
@@ -64,16 +87,16 @@ def link_predictions(
     for name, delay in DELAYS_MS.items():
         machine = lab_machine(profile, delay)
         (layout,) = [lay for lay in layouts(config, machine) if (lay.tp, lay.pp, lay.dp) == (1, 2, 1)]
-        streams = predict(
-            config, layout, machine, Workload(dtype, short + new_tokens, concurrency, concurrency * short)
+        out[name] = figures(
+            config,
+            layout,
+            machine,
+            short=short,
+            long=long,
+            new_tokens=new_tokens,
+            concurrency=concurrency,
+            dtype=dtype,
         )
-        first = predict(config, layout, machine, Workload(dtype, long, 1, long))
-        seconds = streams.ttft_ms / 1000 + (new_tokens - 1) * concurrency / streams.aggregate_tok_s
-        out[name] = {
-            "decode_tok_s": streams.decode_tok_s,
-            "aggregate_tok_s": concurrency * new_tokens / seconds,
-            "ttft_ms": first.ttft_ms,
-        }
     return out
 
 
@@ -136,10 +159,8 @@ def _probe(lab: NetLab, host: Host, target: str, *, new_tokens: int, concurrency
 
 def _client(target: str, *, tokens: int, streams: int, rounds: int) -> dict[str, float]:
     """Inside host A: the local rows' measurements (bench/run.py's), against the chain across the link."""
-    import time
-
     from layerline.bench.run import cluster_aggregate, cluster_long_ttft, cluster_single
-    from layerline.client import Client, LayerlineError
+    from layerline.client import Client
 
     class Remote:  # what bench/run.py's measurements ask of a cluster
         address, token, ca_cert, certs = target, None, None, None
@@ -149,16 +170,7 @@ def _client(target: str, *, tokens: int, streams: int, rounds: int) -> dict[str,
 
     remote = Remote()
     with Client(target) as client:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if client.cluster(timeout=5).chains:
-                    client.generate(PROMPT, max_tokens=4, temperature=0.0)  # warm up
-                    break
-            except LayerlineError:
-                if time.monotonic() > deadline:
-                    raise
-            time.sleep(0.5)
+        links.wait_for_a_chain(client)
     samples: dict[str, list[float]] = {"decode_tok_s": [], "aggregate_tok_s": [], "ttft_ms": []}
     for _ in range(rounds):
         samples["decode_tok_s"].append(cluster_single(remote, tokens).decode_tokens_per_s)  # type: ignore[arg-type]
