@@ -42,8 +42,9 @@ def sample(
     """
     tokens = [0] * len(params)
     plain = [i for i, p in enumerate(params) if p.temperature == 0.0 and p.repetition_penalty == 1.0]
-    if plain:
-        for i, t in zip(plain, logits[plain].argmax(-1).tolist()):
+    if plain:  # every row plain (the common batch) argmaxes the logits in place, without a copy
+        rows = logits if len(plain) == len(params) else logits[plain]
+        for i, t in zip(plain, rows.argmax(-1).tolist()):
             tokens[i] = t
     for i, p in enumerate(params):
         if p.temperature == 0.0 and p.repetition_penalty == 1.0:
