@@ -12,7 +12,9 @@ A single stream's time between tokens is also split into its chain's compute, as
 it (asked of each stage after the first token and after the last), and the rest: what a hop adds
 in messages and what it adds in slower compute. Last, `hop_floor` measures the same extra hop
 through a bare gRPC relay of the model's matmuls (see hop_floor.py): what this machine charges
-for a hop before any of layerline's own work. transformers is needed here only, as the baseline.
+for a hop before any of layerline's own work. Beside transformers' batch of 32, in the same
+rounds, `BatchFloor` times the model's matrix products alone at 32 rows (batch_floor.py): the
+floor under the 32-stream figures. transformers is needed here only, as the baseline.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 
 import grpc
 
+from layerline.bench.batch_floor import BatchFloor
 from layerline.bench.hop_floor import measure_hop_floor
 from layerline.bench.openai_streams import check_http_is_grpc, http_aggregate, http_single
 from layerline.bench.stream import Stream
@@ -226,6 +229,8 @@ def run_bench(
     result = BenchResult(model=checkpoint.name, dtype=dtype, threads=threads, new_tokens=new_tokens, rounds=rounds)
     _log(f"loading the transformers baseline ({dtype}, {threads} threads) ...")
     baseline = Baseline(checkpoint, dtype=dtype, threads=threads)
+    _log("building the model's products at 32 rows (the floor under 32 streams) ...")
+    floor32 = BatchFloor(ModelConfig.from_checkpoint(checkpoint), rows=32, dtype=dtype)
     logs = Path(tempfile.gettempdir()) / f"layerline-bench-{os.getpid()}"
     layouts: dict[str, dict[str, Any]] = {
         "1_stage": {"stages": 1},
@@ -290,6 +295,7 @@ def run_bench(
             rounds,
             {
                 "transformers_batch_32": lambda: baseline.batch(32, new_tokens),
+                "matmul_floor_x32": lambda: floor32.generate(new_tokens),
                 "2_stages_x32": lambda: cluster_aggregate(two, 32, new_tokens),
                 "1_stage_x32": lambda: cluster_aggregate(one, 32, new_tokens),
                 "2_stages_x16": lambda: cluster_aggregate(two, 16, new_tokens),
@@ -328,6 +334,11 @@ def run_bench(
         "concurrent_32_vs_transformers_batch_32": a["2_stages_x32"] / a["transformers_batch_32"],
         "concurrent_32_1_stage_vs_transformers_batch_32": a["1_stage_x32"] / a["transformers_batch_32"],
         "concurrent_32_2_stages_vs_1_stage": a["2_stages_x32"] / a["1_stage_x32"],
+        # The floor under the 32-stream ratios: 32 rows through the model's products and nothing
+        # else (batch_floor.py), against transformers' batch (the most an engine of torch's
+        # products could show) and against one stage's 32 streams (how much of it layerline keeps).
+        "matmul_floor_32_vs_transformers_batch_32": a["matmul_floor_x32"] / a["transformers_batch_32"],
+        "concurrent_32_1_stage_vs_matmul_floor": a["1_stage_x32"] / a["matmul_floor_x32"],
         # The floor under the first ratio: the bare relay's one stage (the model's matmuls in plain
         # torch float32 and a message a token) against ours, and against transformers: the most
         # any float32 engine of torch's matmuls could show over transformers on this machine.
