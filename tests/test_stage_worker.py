@@ -9,6 +9,7 @@ import grpc
 import pytest
 import torch
 
+from layerline.cli.servers import openmp_defaults
 from layerline.protos.v1 import common_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
 from layerline.shared.model_config import LayerRange
 from layerline.stage_worker.codec import chunk
@@ -463,3 +464,13 @@ def test_bad_command_lines_fail_with_a_clear_message(ckpt, tmp_path):
         )
         assert done.returncode == 2, done.stderr
         assert message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_stage_runs_openmp_with_the_active_wait_policy_unless_told_otherwise():
+    env: dict[str, str] = {"PATH": "/bin"}
+    openmp_defaults(env)
+    assert env == {"PATH": "/bin", "OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "300000"}
+    for given in ({"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "0"}):  # either one set: both kept as given
+        env = dict(given)
+        openmp_defaults(env)
+        assert env == given

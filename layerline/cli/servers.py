@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import MutableMapping
 
 from layerline.shared.settings import DTYPES, format_size, parse_size
 from layerline.stage_worker.settings import QUANTIZE, WEIGHT_LAYOUTS, StageSettings
@@ -23,11 +24,30 @@ from .support import (
 # --- layerline stage ... -------------------------------------------------------------------
 
 
+def openmp_defaults(environ: MutableMapping[str, str]) -> None:
+    """The OpenMP wait policy a stage runs with, unless `environ` names one (either variable).
+
+    A stage runs torch on two threads of its own (the event loop for a small step alone, the
+    compute thread for the rest), and each gets an OpenMP team: libgomp then counts more threads
+    than cores and lets a team's idle threads spin only 100 times before they sleep, so between two
+    of a step's parallel regions (a single row's step has about 150) they sleep and are woken
+    again. The active policy raises that to 1000 spins; GOMP_SPINCOUNT keeps the unthrottled spin
+    at libgomp's own default (300000, about 3 ms), as without a policy. Measured on 2 cores of an
+    AMD EPYC (Zen 4), 5 interleaved rounds of clusters with and without: a lone stream's step on 1
+    stage 36.5 against 41.5 ms, 32 streams 308 against 271 tok/s; on 2 stages 21.8 against 20.3
+    tok/s and 272 against 255. libgomp reads them when it loads: set before torch is imported.
+    """
+    if "OMP_WAIT_POLICY" not in environ and "GOMP_SPINCOUNT" not in environ:
+        environ["OMP_WAIT_POLICY"] = "ACTIVE"
+        environ["GOMP_SPINCOUNT"] = "300000"
+
+
 def _run_stage(args: argparse.Namespace) -> int:
     # torch's allocator then asks for transparent huge pages for its large blocks (the weights, the
     # KV pool): fewer TLB misses while a decode step streams every weight. Read once, at torch's
     # first allocation, so set before torch is imported; an explicit THP_MEM_ALLOC_ENABLE wins.
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    openmp_defaults(os.environ)
     configure_logging()
     with reported_as_errors(ValueError):
         settings = StageSettings(
