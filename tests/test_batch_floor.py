@@ -11,24 +11,13 @@ import math
 import torch
 
 from layerline.bench.batch_floor import BatchFloor
-from layerline.shared.model_config import ModelConfig
 from layerline.stage_worker.layouts import PackedLinear
 
-CONFIG = ModelConfig.from_dict(
-    dict(
-        model_type="llama",
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-)
+from .tiny_models import TINY_SHAPES
 
 
 def test_a_step_is_every_layers_four_products_and_the_head_at_the_rows_asked() -> None:
-    floor = BatchFloor(CONFIG, rows=5)
+    floor = BatchFloor(TINY_SHAPES, rows=5)
     assert floor.products == 4 * 4 + 1
     widths = []
     with torch.inference_mode():

@@ -12,25 +12,13 @@ import socket
 import pytest
 
 from layerline.bench.hop_floor import HopFloor, Shapes, measure_hop_floor
-from layerline.shared.model_config import ModelConfig
 
 from .stage_client import free_ports
-
-CONFIG = ModelConfig.from_dict(
-    dict(
-        model_type="llama",
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-)
+from .tiny_models import TINY_SHAPES
 
 
 def test_shapes_of_a_config_give_the_fused_widths() -> None:
-    assert Shapes.of(CONFIG) == Shapes(
+    assert Shapes.of(TINY_SHAPES) == Shapes(
         vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=4, qkv_width=(4 + 2 * 2) * 8, o_width=4 * 8
     )
 
@@ -38,7 +26,7 @@ def test_shapes_of_a_config_give_the_fused_widths() -> None:
 @pytest.mark.cluster
 def test_both_relays_return_the_same_tokens_over_the_split_of_layerline_up() -> None:
     rounds = []
-    floor = measure_hop_floor(CONFIG, rounds=2, tokens=12, port=free_ports(3), log=rounds.append)
+    floor = measure_hop_floor(TINY_SHAPES, rounds=2, tokens=12, port=free_ports(3), log=rounds.append)
     assert isinstance(floor, HopFloor)
     assert floor.layer_ranges == [(0, 2), (2, 4)]  # the LM head weighs a third of a layer here
     assert (floor.rounds, floor.tokens) == (2, 12)
@@ -54,4 +42,4 @@ def test_a_relay_stage_that_cannot_listen_is_named_not_waited_for() -> None:
         taken.bind(("127.0.0.1", base + 1))
         taken.listen()
         with pytest.raises(RuntimeError, match=f"the bare relay stage on port {base + 1} exited with code 1"):
-            measure_hop_floor(CONFIG, rounds=1, tokens=4, port=base)
+            measure_hop_floor(TINY_SHAPES, rounds=1, tokens=4, port=base)

@@ -6,6 +6,21 @@ from pathlib import Path
 
 import torch
 
+from layerline.shared.model_config import ModelConfig
+
+# A config of shapes only (no checkpoint), for what knows a model by its shapes: the bench's floors.
+TINY_SHAPES = ModelConfig.from_dict(
+    dict(
+        model_type="llama",
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+)
+
 FAMILIES = {
     # GQA and Llama 3 rope scaling (factor applies: original context shorter than the test's).
     "llama3": dict(

@@ -230,7 +230,8 @@ def run_bench(
     _log(f"loading the transformers baseline ({dtype}, {threads} threads) ...")
     baseline = Baseline(checkpoint, dtype=dtype, threads=threads)
     _log("building the model's products at 32 rows (the floor under 32 streams) ...")
-    floor32 = BatchFloor(ModelConfig.from_checkpoint(checkpoint), rows=32, dtype=dtype)
+    config = ModelConfig.from_checkpoint(checkpoint)
+    floor32 = BatchFloor(config, rows=32, dtype=dtype)
     logs = Path(tempfile.gettempdir()) / f"layerline-bench-{os.getpid()}"
     layouts: dict[str, dict[str, Any]] = {
         "1_stage": {"stages": 1},
@@ -317,7 +318,7 @@ def run_bench(
             cluster.stop()
     _log("the hop's floor: a bare gRPC relay of the model's matmuls (float32) ...")
     floor = measure_hop_floor(
-        ModelConfig.from_checkpoint(checkpoint),
+        config,
         rounds=rounds,
         tokens=new_tokens,
         port=port + 10,
