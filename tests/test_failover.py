@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import re
 import time
 
 import pytest
@@ -83,8 +84,14 @@ def test_sigkill_of_a_stage_worker_loses_no_token(real_model_dir, tmp_path):
     assert all(f[2] == r[2] for f, r in zip(faulty, reference))
     others = [p.returncode for n, p in cluster.procs if p is not victim]
     assert others == [0] * len(others)
-    # Only the broken chain's sequences moved (at most its 8 of the 16), each once; gap measured.
-    assert 1 <= status.failovers <= 8, status
+    # Only the broken chain's sequences moved, each once; gap measured. How many it held is the
+    # router's choice (cache-aware: the second run's prompts follow their cached prefixes, so a
+    # chain may hold 9 of the 16), so it is read from the coordinator's log of the failure.
+    log = (tmp_path / "coordinator.log").read_text()
+    held = [int(n) for n in re.findall(r"failed \(.*\); moving (\d+) sequence\(s\)", log)]
+    moved = re.findall(r"sequence (\w+) moved to chain", log)
+    assert len(held) == 1 and 1 <= held[0] <= len(PROMPTS), held  # one chain broke, once
+    assert status.failovers == held[0] == len(moved) == len(set(moved)), (status, held, moved)
     assert 0 < status.last_failover_gap_seconds <= status.max_failover_gap_seconds < 30
     print(f"failover gap: max {status.max_failover_gap_seconds:.3f}s over {status.failovers} moves")
 
