@@ -1,12 +1,19 @@
-"""Where a stage's steps compute: its one compute thread, or the event loop for a small step alone.
+"""Where a stage's torch work runs: one compute thread, for everything.
 
-Owns the stage's single compute thread, on which torch runs in submission order (so the next
-step is received and the previous one sent while this one computes), and the rule for the one
-exception: a step of at most `SMALL_STEP_TOKENS` tokens runs on the event loop itself when
-inline steps are allowed, nothing is queued on the compute thread and it is the only step in
-flight on the stage. Two thread handoffs cost more than such a step, and with no other step in
-flight the loop has no answer to relay meanwhile. A tensor-parallel rank 0 (`LeadingEngine`)
-never runs inline: its thread is shared with the keepalive collective.
+Owns the stage's single compute thread. Loading the weights, the readiness probe, every step and
+every release run on it, in submission order, so that the next step is received and the previous
+one sent while this one computes.
+
+One thread, not the event loop for small steps and a thread for the rest: torch's CPU kernels
+run on OpenMP, and every thread that enters a parallel region gets an OpenMP team of its own that
+lives as long as the thread. libgomp counts the threads of every team, and once they outnumber
+the cores it lets an idle thread spin only 100 times (1000 under OMP_WAIT_POLICY=ACTIVE) before
+it sleeps, so between two of a step's parallel regions (a single row's step has about 150) the
+helpers sleep and are woken again. Measured on 2 cores of an Intel Xeon (AVX-512, AMX), SmolLM2
+in one process, a lone stream's decode step on two threads: 26.6 ms with one team, 39-42 ms once
+a second thread of the process had run one parallel product, with or without the active policy;
+a 1-stage cluster whose small steps ran on its event loop and its larger ones (and its loading)
+on other threads computed 39-40 ms a token.
 
 Running a step frees the sequences its header releases, then runs it on the engine, inside the
 step's telemetry. Knows nothing of frames, of gRPC or of where the result goes.
@@ -21,19 +28,21 @@ from typing import Any, TypeVar
 
 from .engine import StageEngine, StepOutput
 from .frames import ReceivedStep
-from .ranks import LeadingEngine
 
-SMALL_STEP_TOKENS = 4  # a step of at most this many tokens, alone on the stage, may run inline
 T = TypeVar("T")
 
 
-class StageCompute:
-    """The compute thread of a stage's engine, and the choice of where each step runs."""
+def compute_thread() -> ThreadPoolExecutor:
+    """The one thread a stage runs torch on: make it before loading, and load on it."""
+    return ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
 
-    def __init__(self, engine: StageEngine) -> None:
+
+class StageCompute:
+    """The compute thread of a stage's engine."""
+
+    def __init__(self, engine: StageEngine, *, executor: ThreadPoolExecutor | None = None) -> None:
         self.engine = engine
-        self.inline_small_steps = not isinstance(engine, LeadingEngine)  # rank 0 shares its thread with keepalives
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
+        self.executor = executor or compute_thread()
         self.queued = 0  # calls submitted to the compute thread and not yet finished
 
     def on_thread(self, fn: Callable[[], T]) -> asyncio.Future[T]:
@@ -46,23 +55,9 @@ class StageCompute:
     def _computed(self, _: asyncio.Future[Any]) -> None:
         self.queued -= 1
 
-    def start(self, step: ReceivedStep, *, in_flight: int, chain: str = "") -> asyncio.Future[StepOutput]:
-        """Begin computing a step that came by `chain`: inline if it is small and alone (`in_flight`
-        steps on the stage, this one included) with the thread idle, else on the thread. Failures
-        come in the future."""
-        if not (
-            self.inline_small_steps
-            and self.queued == 0
-            and in_flight == 1
-            and sum(s.num_tokens for s in step.seqs) <= SMALL_STEP_TOKENS
-        ):
-            return self.on_thread(lambda: self._run(step, chain))
-        future: asyncio.Future[StepOutput] = asyncio.get_running_loop().create_future()
-        try:
-            future.set_result(self._run(step, chain))
-        except Exception as err:  # noqa: BLE001 - delivered through the future, as from the thread
-            future.set_exception(err)
-        return future
+    def start(self, step: ReceivedStep, *, chain: str = "") -> asyncio.Future[StepOutput]:
+        """Begin computing a step that came by `chain`, after those before it. Failures come in the future."""
+        return self.on_thread(lambda: self._run(step, chain))
 
     def _run(self, step: ReceivedStep, chain: str) -> StepOutput:
         with step.times.computing():

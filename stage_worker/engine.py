@@ -176,8 +176,7 @@ class StageEngine:
         """Decoding a few tokens is bound by how fast the weights stream from memory, and on the
         CPUs measured (an AVX-512 Xeon, an AVX2 EPYC) two threads stream them 1.5-1.8x as fast
         as one: every step takes all the threads it may. torch's thread count belongs to the
-        calling thread (steps run on the compute thread or inline on the event loop), so it is
-        read there, not remembered."""
+        calling thread (the stage's compute thread, compute.py), so it is read there, not remembered."""
         wanted = self.prefill_threads if alone else self.max_threads
         if torch.get_num_threads() != wanted:
             torch.set_num_threads(wanted)

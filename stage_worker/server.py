@@ -36,6 +36,7 @@ from layerline.shared.tls import member_files
 
 from . import tp_group
 from .codec import CodecLimits, dtype_to_wire
+from .compute import compute_thread
 from .engine import StageEngine
 from .hops import NextHops
 from .kv_cache import CacheShape, PagedKVCache
@@ -73,6 +74,7 @@ class StageWorker:
         self.engine: StageEngine | None = None
         self.servicer: StageServicer | None = None
         self.followers: list[subprocess.Popen[bytes]] = []  # ranks 1.. of a tensor-parallel stage
+        self.compute_thread = compute_thread()  # all torch work runs there, loading included (compute.py)
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]  # not in grpc-stubs
         self.failed = False  # a rank of this tensor-parallel stage died or hung
         self.weights_bytes = 0  # of this rank's shards, once loaded
@@ -188,7 +190,7 @@ class StageWorker:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await loop.run_in_executor(None, self.load)
+        await loop.run_in_executor(self.compute_thread, self.load)
         telemetry = Telemetry(s.telemetry, service=f"layerline-stage-{self.layers.start}-{self.layers.end}")
         self.member_credentials = tls.channel_credentials() if tls is not None else None
         hops = NextHops(max_message_bytes=s.max_message_bytes, credentials=self.member_credentials)
@@ -262,6 +264,7 @@ class StageWorker:
             ),
             routes=self.routes,
             tls=tls,
+            compute_thread=self.compute_thread,
         )
 
     async def _watch_ranks(self, stop: asyncio.Event) -> None:

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -59,6 +60,7 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
         telemetry: StageTelemetry,
         routes: RouteGuard,
         tls: bool = False,
+        compute_thread: ThreadPoolExecutor | None = None,
     ) -> None:
         self.engine = engine
         self.routes = routes  # which routes this stage follows
@@ -76,7 +78,7 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
             max_step_tokens=engine.max_step_tokens,
             max_history=engine.config.max_position_embeddings,
         )
-        self.compute = StageCompute(engine)
+        self.compute = StageCompute(engine, executor=compute_thread)  # the thread the engine was loaded on
         self.delivery = Delivery(
             hops,
             is_last=engine.is_last,

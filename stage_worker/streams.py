@@ -95,7 +95,7 @@ class UpstreamStream:
                 self._answer(stage_pb2.StepResult(step_id=step.header.step_id, error=status_message(err)))
                 continue
             step.times.ready()
-            await self.ordered.put((step, parts.compute.start(step, in_flight=parts.in_flight, chain=chain)))
+            await self.ordered.put((step, parts.compute.start(step, chain=chain)))
 
     async def _forward(self) -> None:
         """Hand each computed step on, in arrival order; a failed one is answered with its error."""

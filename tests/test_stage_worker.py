@@ -469,7 +469,7 @@ def test_bad_command_lines_fail_with_a_clear_message(ckpt, tmp_path):
 def test_a_stage_runs_openmp_with_the_active_wait_policy_unless_told_otherwise():
     env: dict[str, str] = {"PATH": "/bin"}
     openmp_defaults(env)
-    assert env == {"PATH": "/bin", "OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "300000"}
+    assert env == {"PATH": "/bin", "OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "30000"}
     for given in ({"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "0"}):  # either one set: both kept as given
         env = dict(given)
         openmp_defaults(env)

@@ -1,0 +1,92 @@
+"""A stage runs all of its torch work on one thread: loading, the probe, every step (compute.py).
+
+Each thread that enters an OpenMP parallel region keeps a team of its own, and once a process's
+teams outnumber the cores libgomp lets idle threads spin only briefly: a lone stream's step then
+took 39-42 ms instead of 27 (compute.py). Here a real stage worker, in this process and serving
+over real gRPC on 127.0.0.1, records the thread of each piece of its torch work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import pytest
+
+from layerline.protos.v1 import stage_pb2, stage_pb2_grpc
+from layerline.shared.model_config import ModelConfig
+from layerline.stage_worker.engine import StageEngine
+from layerline.stage_worker.server import StageWorker
+from layerline.stage_worker.settings import StageSettings
+
+from .stage_client import StepStream, free_port, seq_input
+from .tiny_models import make_tiny_checkpoint
+
+
+def test_loading_the_probe_and_steps_small_and_large_run_on_one_thread(tmp_path, monkeypatch):
+    make_tiny_checkpoint("smollm2", tmp_path)
+    threads: dict[str, set[int]] = {"load": set(), "probe": set(), "step": set()}
+    real_load, real_probe, real_run = StageWorker.load, StageEngine.probe, StageEngine.run
+
+    def recorded(kind, real):
+        def call(self, *args, **kwargs):
+            threads[kind].add(threading.get_ident())
+            return real(self, *args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(StageWorker, "load", recorded("load", real_load))
+    monkeypatch.setattr(StageEngine, "probe", recorded("probe", real_probe))
+    monkeypatch.setattr(StageEngine, "run", recorded("step", real_run))
+    port = free_port()
+    layers = f"0:{ModelConfig.from_checkpoint(tmp_path).num_layers}"  # the whole model: it answers the tokens
+    worker = StageWorker(StageSettings(model=str(tmp_path), layers=layers, port=port, threads=1))
+
+    def client() -> None:  # a real gRPC client, on a thread of its own
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        try:
+            stub = stage_pb2_grpc.StageWorkerStub(channel)
+            model_id = ""
+            for _ in range(300):  # until loaded: UNAVAILABLE meanwhile
+                try:
+                    model_id = stub.Info(stage_pb2.InfoRequest(probe=True), timeout=10).worker.model_id
+                    break
+                except grpc.RpcError as err:
+                    assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+                    threading.Event().wait(0.1)
+            assert model_id
+            stream = StepStream(channel)
+            try:
+                prompt = [1, 17, 42, 99, 3, 5, 8, 13, 21, 34]
+                for seqs in (
+                    [seq_input("a", range(len(prompt)), prompt)],  # a prompt: 10 tokens
+                    [seq_input("a", [len(prompt)], [7])],  # one token, alone on the stage
+                    [seq_input("a", [len(prompt) + 1], [8])],
+                ):
+                    header = stage_pb2.StepHeader(step_id=0, sequences=seqs, model_id=model_id)
+                    stream.send([stage_pb2.StepFrame(header=header)])
+                    result = stream.receive()
+                    assert not result.error.code and not result.sequences[0].error.code, result
+                    assert result.sequences[0].HasField("sampled_token_id")
+            finally:
+                stream.close()
+        finally:
+            channel.close()
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        served = asyncio.create_task(worker.serve(stop=stop))
+        try:
+            await asyncio.wait_for(asyncio.to_thread(client), timeout=120)
+        finally:
+            stop.set()
+            await served
+
+    asyncio.run(main())
+    assert len(threads["step"]) == 1 and threads["step"] == threads["load"] == threads["probe"], threads
+    assert threading.get_ident() not in threads["step"]  # never the event loop's thread
+
+
+if __name__ == "__main__":
+    pytest.main([__file__])
