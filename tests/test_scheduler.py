@@ -345,3 +345,38 @@ def test_a_new_sequence_waits_until_its_whole_history_fits_and_one_that_never_ca
         await sched.stop()
 
     asyncio.run(run())
+
+
+def test_the_next_step_goes_out_from_the_returning_step_before_anything_else_runs_and_none_after_stop():
+    """A step's result and the next step's send happen in one go: no other task runs between them
+    (a client stream woken by the tokens waits until the next step is sent). A stopped scheduler
+    lets the step in flight finish and sends none after it."""
+
+    async def run() -> None:
+        sender = HeldSteps()
+        sched = started(sender, depth=1)
+        order: list[str] = []
+        sched.add(Sequence("a", [1, 2], SamplingParams(), on_token=lambda *_: order.append("token"), on_error=print))
+        await settle()
+        assert len(sender.steps) == 1
+
+        async def woken_by_the_token() -> None:  # as a client stream is, once its token is queued
+            await asyncio.sleep(0)
+            order.append("woken")
+
+        def answer_then_wake() -> None:
+            sender.answer(0)
+            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(woken_by_the_token()))
+
+        answer_then_wake()
+        await asyncio.sleep(0)  # the returning step resumes first; the wake-up is queued behind it
+        await asyncio.sleep(0)
+        assert len(sender.steps) == 2 and order[:1] == ["token"] and "woken" not in order
+        await settle()
+        assert order == ["token", "woken"]
+        await sched.stop()
+        sender.answer(1)
+        await settle()
+        assert len(sender.steps) == 2  # the step in flight finished; none followed it
+
+    asyncio.run(run())
