@@ -130,20 +130,19 @@ class Attention(nn.Module):
         if layout.decode_slots is not None:  # one decoding sequence, its KV in one run of slots
             kd = k_pool[layout.decode_slots].transpose(0, 1).unsqueeze(0)  # [1, kvh, L, d], a view
             vd = v_pool[layout.decode_slots].transpose(0, 1).unsqueeze(0)
-            od = self._sdpa(q.unsqueeze(2), kd, vd, mask=None, causal=False)  # [1, h, 1, d]
-            return self.tp.all_reduce(self.o_proj(od.reshape(t, h * self.head_dim)))
+            od = decode_attention(q, kd, vd, mask=None)  # [1, h * d]
+            return self.tp.all_reduce(self.o_proj(od))
         if layout.decode_only:  # the common batched-decode step: no row shuffling
             kd = _gather_blocks(k_pool, layout.decode_blocks, layout.block_size)  # [T, kvh, L, d]
             vd = _gather_blocks(v_pool, layout.decode_blocks, layout.block_size)
-            od = self._sdpa(q.unsqueeze(2), kd, vd, mask=layout.decode_mask, causal=False)  # [T, h, 1, d]
-            return self.tp.all_reduce(self.o_proj(od.reshape(t, h * self.head_dim)))
+            od = decode_attention(q, kd, vd, mask=layout.decode_mask)  # [T, h * d]
+            return self.tp.all_reduce(self.o_proj(od))
         out = torch.empty_like(q)  # [T, h, d]
         if layout.decode_rows.numel():
-            qd = q[layout.decode_rows].unsqueeze(2)  # [D, h, 1, d]
             kd = _gather_blocks(k_pool, layout.decode_blocks, layout.block_size)  # [D, kvh, L, d]
             vd = _gather_blocks(v_pool, layout.decode_blocks, layout.block_size)
-            od = self._sdpa(qd, kd, vd, mask=layout.decode_mask, causal=False)  # [D, h, 1, d]
-            out[layout.decode_rows] = od.squeeze(2)
+            od = decode_attention(q[layout.decode_rows], kd, vd, mask=layout.decode_mask)  # [D, h * d]
+            out[layout.decode_rows] = od.view(-1, h, self.head_dim)
         for span in layout.prefills:
             qp = q[span.rows].transpose(0, 1).unsqueeze(0)  # [1, h, n, d]
             if span.mask is None:  # a fresh sequence: its context is exactly its new rows
@@ -171,6 +170,21 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.heads_per_rank != self.kv_heads_per_rank
         )
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention of one new token per sequence: q [D, h, d] over k, v [D, kvh, L, d] (any strides)
+    under `mask` [D, 1, 1, L] (True where a key is held; None: all are). Returns [D, h * d].
+
+    The query heads that share a key/value head (h / kvh of them, consecutive) go in as that
+    head's query positions, so that the kernel sees no grouped-query attention: with one query
+    position they all attend to every held key alike. torch's CPU kernel with `enable_gqa` took
+    0.74 ms for 32 sequences of 128 keys (SmolLM2's 9 and 3 heads, two threads, caches cold;
+    Intel Xeon, AVX-512) and 0.43 ms so; hot 0.50 and 0.21 ms."""
+    n, h, d = q.shape
+    kvh = k.shape[1]
+    out = F.scaled_dot_product_attention(q.view(n, kvh, h // kvh, d), k, v, attn_mask=mask)  # [D, kvh, h / kvh, d]
+    return out.reshape(n, h * d)
 
 
 def _gather_blocks(pool: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:

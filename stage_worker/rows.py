@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kv_cache import PagedKVCache
-from .llama import DecoderLayer, StageModel, rms_norm, swap_halves
+from .llama import DecoderLayer, StageModel, decode_attention, rms_norm, swap_halves
 
 # How a single row multiplies a linear layer: (w, b) with y = (x @ w).view(1, -1) + b for x [1, in]
 # (see `row_product`). A linear layer that offers `row_weight(threads) -> RowWeight | None` (the CPU
@@ -127,8 +127,7 @@ class RowPath:
             v_pool[new].copy_(v)
             keys = k_pool[slots].transpose(0, 1).unsqueeze(0)  # [1, kvh, L, d], a view
             values = v_pool[slots].transpose(0, 1).unsqueeze(0)
-            att = F.scaled_dot_product_attention(q.view(1, h, 1, d), keys, values, enable_gqa=h != kvh)  # [1, h, 1, d]
-            x = x + row_product(att.view(1, h * d), layer.o)
+            x = x + row_product(decode_attention(q.view(1, h, d), keys, values, mask=None), layer.o)
             gate, up = row_product(row_norm(x, layer.post_attention_norm, eps), layer.gate_up).chunk(2, dim=-1)
             x = x + row_product(F.silu(gate) * up, layer.down)
         if plan.head is None:
