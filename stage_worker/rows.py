@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kv_cache import PagedKVCache
-from .llama import DecoderLayer, StageModel, decode_attention, rms_norm, swap_halves
+from .llama import DecoderLayer, StageModel, decode_attention, rms_norm
 
 # How a single row multiplies a linear layer: (w, b) with y = (x @ w).view(1, -1) + b for x [1, in]
 # (see `row_product`). A linear layer that offers `row_weight(threads) -> RowWeight | None` (the CPU
@@ -46,6 +46,29 @@ def row_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
     mean_square = float(torch.dot(x[0], x[0])) / x.shape[1]
     return torch.mul(x, weight).mul_(1.0 / math.sqrt(mean_square + eps))
+
+
+def rotation(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding at one position as a matrix: `x @ rotation(cos, sin)` is
+    `x * cos + swap_halves(x) * sin` for rows x [n, d], with cos and the signed sin [1, d] as
+    `StageModel.rope` makes them. One product a layer instead of five elementwise kernels; the same
+    numbers to rounding (each output sums two products and zeros)."""
+    d = cos.shape[-1]
+    rot = torch.diag(cos.view(d))  # [d, d]
+    rot[(torch.arange(d) + d // 2) % d, torch.arange(d)] = sin.view(d)
+    return rot
+
+
+def row_add_product(residual: torch.Tensor, x: torch.Tensor, weight: RowWeight) -> torch.Tensor:
+    """residual + x W^T for single rows residual [1, out], x [1, in], in one kernel where the
+    weight has no bias (the product adds onto the residual), else as `residual + row_product`."""
+    w, b = weight
+    if b is not None:
+        return residual + row_product(x, weight)
+    if w.dim() == 2:  # [in, out]
+        return torch.addmm(residual, x, w)
+    blocks = w.shape[0]  # [blocks, in, out / blocks]: the residual's columns block after block
+    return torch.baddbmm(residual.view(blocks, 1, -1), x.expand(blocks, 1, x.shape[1]), w).view(1, -1)
 
 
 def row_product(x: torch.Tensor, weight: RowWeight) -> torch.Tensor:
@@ -115,21 +138,21 @@ class RowPath:
         model = self.model
         h, kvh = model.shards.num_heads, model.shards.num_kv_heads
         d, eps = model.config.head_dim, model.config.rms_norm_eps
-        cos, sin = cos[0], sin[0]  # [1, d]
+        rot = rotation(cos[0], sin[0])  # [d, d]: this position's rotary, for every layer
         new = slots.stop - 1  # the new token's slot
         for layer in plan.layers:
             k_pool, v_pool = cache.k[layer.layer_id], cache.v[layer.layer_id]
             qkv = row_product(row_norm(x, layer.input_norm, eps), layer.qkv).view(h + 2 * kvh, d)
             qk, v = qkv.split([h + kvh, kvh])
-            qk = qk * cos + swap_halves(qk) * sin  # rotary, as in Attention: [h + kvh, d]
+            qk = qk @ rot  # rotary, as in Attention: [h + kvh, d]
             q, k = qk.split([h, kvh])
             k_pool[new].copy_(k)
             v_pool[new].copy_(v)
             keys = k_pool[slots].transpose(0, 1).unsqueeze(0)  # [1, kvh, L, d], a view
             values = v_pool[slots].transpose(0, 1).unsqueeze(0)
-            x = x + row_product(decode_attention(q.view(1, h, d), keys, values, mask=None), layer.o)
+            x = row_add_product(x, decode_attention(q.view(1, h, d), keys, values, mask=None), layer.o)
             gate, up = row_product(row_norm(x, layer.post_attention_norm, eps), layer.gate_up).chunk(2, dim=-1)
-            x = x + row_product(F.silu(gate) * up, layer.down)
+            x = row_add_product(x, F.silu(gate) * up, layer.down)
         if plan.head is None:
             return x
         assert plan.norm is not None  # the last stage holds both
