@@ -21,7 +21,7 @@ from layerline.cli import build_parser, main
 from layerline.client import Client
 from layerline.plan.emit import compose_text, k8s_text
 from layerline.plan.hardware import LINKS, SpecError, parse_devices, parse_link, parse_links
-from layerline.plan.predict import Layout, Machine, Workload, predict
+from layerline.plan.predict import CostModel, Layout, Machine, Workload, predict
 from layerline.plan.profile import MachineProfile, ProfileError
 from layerline.plan.recommend import Target, make_plan
 from layerline.plan.shapes import Placement, load_model_config, memory_per_rank
@@ -55,7 +55,9 @@ def a_profile(**changes: object) -> MachineProfile:
         step_overhead_s=2e-3,
         hop_s=0.5e-3,
         allreduce_s={"2": 80e-6, "3": 120e-6},
+        allreduce_bytes_s={"2": 2e9, "3": 1e9},
         runtime_bytes=400 * 2**20,
+        cluster_compute_factor=1.0,
     )
     return replace(profile, **changes)  # type: ignore[arg-type]
 
@@ -198,7 +200,6 @@ def test_local_stages_share_the_cores_and_a_prompt_chunk_takes_them() -> None:
 def test_local_chains_run_one_micro_batch_at_a_time_and_hosts_of_their_own_pipeline() -> None:
     """On one CPU host (`up`, --depth 1) a 2-stage chain's many streams go through both stages as
     one micro-batch on all the cores; on two hosts each stage takes one of two micro-batches."""
-    from layerline.plan.predict import CostModel
 
     _, config = load_model_config("smollm2-135m-instruct")
     work = Workload("float32", 512, 8, 300)
@@ -298,6 +299,12 @@ def test_the_profile_round_trips_and_a_bad_value_is_named(tmp_path: Path) -> Non
         MachineProfile.load(path)
     with pytest.raises(ProfileError, match="run `layerline plan --calibrate`"):
         MachineProfile.load(tmp_path / "absent.json")
+    path.write_text(json.dumps({**raw, "allreduce_bytes_s": {"2": 2e9}}))
+    with pytest.raises(ProfileError, match="allreduce_s and allreduce_bytes_s must name the same tp sizes"):
+        MachineProfile.load(path)
+    path.write_text(json.dumps({**raw, "cluster_compute_factor": 0}))
+    with pytest.raises(ProfileError, match="cluster_compute_factor = 0 must be a positive number"):
+        MachineProfile.load(path)
     assert profile.matmul_rate("float32", 1, 8) == pytest.approx((16e9 * 50e9) ** 0.5)  # halfway in log rows
     assert profile.matmul_rate("float32", 2, 1) == pytest.approx(4e9 + (12e9 - 4e9) / 3)  # 2 of 1..4 threads
 
@@ -404,13 +411,49 @@ def test_calibration_times_layerline_s_own_engine_and_gloo() -> None:
     engine = _Engine(NARROW, 2, "float32", 1)
     assert engine.params > 0 and 0 < engine.decode(4, 2) < 5 and 0 < engine.prefill(16, 1) < 5
     assert not engine.engine.cache.sequences()  # every timed sequence released
-    assert 0 < measure_allreduce(2) < 1
+    token, bytes_s = measure_allreduce(2)
+    assert 0 < token < 1 and 1e6 < bytes_s < 1e12  # loopback moves more than 1 MB/s and less than 1 TB/s
+
+
+def test_an_all_reduce_costs_a_token_s_time_and_its_bytes_beyond() -> None:
+    """A prompt chunk's all-reduces carry all its rows: tp 3's first token of a long prompt was
+    predicted at 0.6-0.7x its time when every all-reduce cost one token's."""
+    profile = a_profile()
+    assert profile.allreduce(1, 10**9) == 0.0
+    assert profile.allreduce(2) == profile.allreduce(2, 16384) == pytest.approx(80e-6)
+    assert profile.allreduce(2, 16384 + 2 * 10**6) == pytest.approx(80e-6 + 1e-3)  # 2 MB more at 2 GB/s
+    assert profile.allreduce(5, 16384 + 10**6) == pytest.approx(2 * (120e-6 + 1e-3))  # a ring twice tp 3's
+    _, config = load_model_config("smollm2-135m-instruct")
+    cpu = machine("cpu", profile=profile)
+    work = Workload("float32", 512, 8, 512)
+    tp3 = CostModel(config, cpu, work, Layout(3, 1, 1, ((0, 30),)))
+    (stage,) = Layout(3, 1, 1, ((0, 30),)).stages(30)
+    slower = CostModel(
+        config, machine("cpu", profile=replace(profile, allreduce_bytes_s={"2": 2e9, "3": 0.5e9})), work, tp3.layout
+    )
+    chunk = 512 * 576 * 4  # the all-reduced bytes of a 512-token prompt chunk, each of 61 all-reduces
+    added = 61 * (chunk - 16384) * (1 / 0.5e9 - 1 / 1e9)
+    assert slower.stage(stage, 512, context=512, prefill=True, alone=True) - tp3.stage(
+        stage, 512, context=512, prefill=True, alone=True
+    ) == pytest.approx(added)
+    assert slower.stage(stage, 1, context=512, alone=True) == tp3.stage(stage, 1, context=512, alone=True)
+
+
+def test_a_stage_s_compute_is_scaled_by_the_cluster_s_measured_factor() -> None:
+    _, config = load_model_config("smollm2-135m-instruct")
+    work = Workload("float32", 512, 8, 300)
+    layout = Layout(1, 2, 1, ((0, 18), (18, 30)))
+    stages = layout.stages(30)
+    plain = CostModel(config, machine("cpu", profile=a_profile()), work, layout)
+    slow = CostModel(config, machine("cpu", profile=a_profile(cluster_compute_factor=1.25)), work, layout)
+    for stage in stages:
+        for rows in (1, 8, 300):
+            assert slow.stage(stage, rows, context=64) == pytest.approx(1.25 * plain.stage(stage, rows, context=64))
 
 
 def test_the_model_s_thread_rules_are_the_engine_s() -> None:
     # The engine: a step alone on its chain takes prefill_threads, any other max_threads, whatever
     # its size (tests/test_engine.py). The model: the chain's share alone, the stage's otherwise.
-    from layerline.plan.predict import CostModel
 
     _, config = load_model_config("smollm2-135m-instruct")
     work = Workload("float32", 256, 1, 64)
@@ -435,7 +478,6 @@ def test_the_check_s_link_rows_are_two_hosts_sharing_this_machine_s_cores(real_m
     each stage on its share), a 1 Gbit/s link whose delay each token crosses twice."""
     from layerline.plan import check_links
     from layerline.plan.check import FIGURES, predictions
-    from layerline.plan.predict import CostModel
     from layerline.shared.model_config import ModelConfig
 
     config = ModelConfig.from_checkpoint(real_model_dir)

@@ -11,8 +11,10 @@ Owns the measurements, each a median of repeats, and nothing about how they are 
 - an all-reduce of a token's hidden state among 2 and 3 gloo ranks on this machine, between
   computations of each rank as a tensor-parallel stage runs them (what it adds to them);
 - layerline's own path: single streams through 1- and 2-stage local clusters of the embedded model,
-  whose stages report their compute; the rest of a token's time is the step's overhead, and the
-  difference between the two is what a hop adds;
+  whose stages report their compute. The rest of a 1-stage token's time is a step's overhead; its
+  compute over what the rates above predict is the factor by which a cluster's stages compute
+  slower than steps back to back; what the 2-stage chain takes beyond that is what a hop adds
+  (its messages, and its stages' steps starting after a pause);
 - a stage process's memory besides its tensors.
 """
 
@@ -27,6 +29,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -34,7 +37,7 @@ import torch
 from layerline.launcher import ClusterPlan, LocalCluster
 from layerline.shared.model_config import LayerRange, ModelConfig
 
-from .profile import MATMUL_ROWS, SMALL_HIDDEN, WIDE_HIDDEN, MachineProfile
+from .profile import ALLREDUCE_BYTES, MATMUL_ROWS, SMALL_HIDDEN, WIDE_HIDDEN, MachineProfile
 
 DTYPES = ("float32", "bfloat16")
 
@@ -70,8 +73,13 @@ SMALL: dict[str, int | str] = {  # the embedded model's layers (SmolLM2-135M): i
 }
 SMALL_LAYERS = 12  # 170 MB of float32: more than the caches
 BANDWIDTH_ELEMENTS = 1 << 28  # 1 GiB of float32
-ALLREDUCE_WIDTH = 4096  # a token's hidden state, float32
 ALLREDUCE_ROUNDS = 300
+PATH_TOKENS = 32  # tokens of each single stream through the path's clusters
+# A prompt chunk's hidden states, all-reduced as a tensor-parallel prefill does: 64 tokens of 4096
+# float32 (1 MiB), between 8 times a decode step's compute (a prompt chunk's share of a layer: the
+# longer each rank computes, the longer one that the cores left waiting holds the others). Timed only
+# for one token's, tp 3's prefill on 2 cores came out 1.4-1.7x the predicted time.
+ALLREDUCE_CHUNK_ROWS = 64
 # Rows of compute each rank runs between two all-reduces, about a SmolLM2 layer's share at tp 3:
 # an all-reduce between computations is what a tensor-parallel step pays. Back to back, 3 ranks
 # on 2 cores all-reduced in 0.74 ms a round (median); between computations each cost 3.3 ms more
@@ -215,36 +223,47 @@ def measure_layer_overhead() -> tuple[dict[str, float], dict[str, float]]:
 
 
 def _allreduce_rank(rank: int, size: int, port: int, queue: multiprocessing.Queue) -> None:
-    """One rank of `measure_allreduce`: a layer's share of compute, then the all-reduce, in turn."""
+    """One rank of `measure_allreduce`: a layer's share of compute, then the all-reduce, in turn;
+    of a token's hidden state, then of a prompt chunk's."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
-    t = torch.ones(1, ALLREDUCE_WIDTH)
-    rows, weight = torch.randn(ALLREDUCE_COMPUTE_ROWS, 576), torch.randn(576, 576)
+    weight = torch.randn(576, 576)
+    token_rows = torch.randn(ALLREDUCE_COMPUTE_ROWS, 576)  # a decode step's share of a layer
+    chunk_rows = torch.randn(ALLREDUCE_COMPUTE_ROWS * ALLREDUCE_CHUNK_ROWS // 8, 576)  # a prompt chunk's
 
-    def compute() -> None:
-        torch.mm(rows, weight)
+    def added(t: torch.Tensor, rows: torch.Tensor, rounds: int) -> float:
+        """Seconds an all-reduce of `t` adds to the computation between two of them."""
 
-    for _ in range(20):
-        compute()
-        dist.all_reduce(t)
-    start = time.perf_counter()
-    for _ in range(ALLREDUCE_ROUNDS):
-        compute()
-    alone = (time.perf_counter() - start) / ALLREDUCE_ROUNDS
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(ALLREDUCE_ROUNDS):
-        compute()
-        dist.all_reduce(t)
-    both = (time.perf_counter() - start) / ALLREDUCE_ROUNDS
+        def compute() -> None:
+            torch.mm(rows, weight)
+
+        for _ in range(10):
+            compute()
+            dist.all_reduce(t)
+        start = time.perf_counter()
+        for _ in range(rounds):
+            compute()
+        alone = (time.perf_counter() - start) / rounds
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(rounds):
+            compute()
+            dist.all_reduce(t)
+        return max((time.perf_counter() - start) / rounds - alone, 1e-6)
+
+    token = added(torch.ones(1, ALLREDUCE_BYTES // 4), token_rows, ALLREDUCE_ROUNDS)
+    chunk = added(torch.ones(ALLREDUCE_CHUNK_ROWS, ALLREDUCE_BYTES // 4), chunk_rows, ALLREDUCE_ROUNDS // 10)
     if rank == 0:
-        queue.put(max(both - alone, 1e-6))
+        extra_bytes = (ALLREDUCE_CHUNK_ROWS - 1) * ALLREDUCE_BYTES
+        queue.put((token, extra_bytes / max(chunk - token, 1e-6)))
     dist.destroy_process_group()
 
 
-def measure_allreduce(size: int) -> float:
+def measure_allreduce(size: int) -> tuple[float, float]:
+    """Among `size` gloo ranks on this machine: (seconds an all-reduce of a token's hidden state adds
+    between computations, bytes/s of what a larger one adds beyond it)."""
     from layerline.shared.ports import free_port
 
     ctx = multiprocessing.get_context("spawn")
@@ -254,7 +273,8 @@ def measure_allreduce(size: int) -> float:
     for p in procs:
         p.start()
     try:
-        return float(queue.get(timeout=120))
+        token, bytes_s = queue.get(timeout=180)
+        return float(token), float(bytes_s)
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -274,14 +294,23 @@ def measure_runtime_bytes() -> int:
     return int(done.stdout.split()[-1]) * 1024
 
 
-def measure_path(
-    checkpoint: Path, *, port: int, tokens: int, rounds: int, log: Callable[[str], None]
-) -> tuple[float, float]:
-    """Layerline's own path on this machine: (a step's time besides compute, what one more hop adds)."""
+@dataclass(frozen=True)
+class PathFigures:
+    """Single streams through 1- and 2-stage local clusters of the embedded model, per token."""
+
+    other_s: dict[int, float]  # stages -> the time besides its stages' compute (their own count)
+    compute_s: dict[int, float]  # stages -> the stages' compute
+    ranges: tuple[tuple[int, int], ...]  # the 2-stage chain's layers
+
+
+def measure_path(checkpoint: Path, *, port: int, tokens: int, rounds: int, log: Callable[[str], None]) -> PathFigures:
+    """Layerline's own path on this machine: single streams of `tokens` through 1 and 2 stages,
+    interleaved rounds, medians."""
     from layerline.bench.run import cluster_aggregate, cluster_single
 
     logs = Path(tempfile.mkdtemp(prefix="layerline-calibrate-"))
     others: dict[int, list[float]] = {1: [], 2: []}
+    computes: dict[int, list[float]] = {1: [], 2: []}
     clusters = {
         stages: LocalCluster(
             ClusterPlan(
@@ -303,16 +332,42 @@ def measure_path(
             cluster_aggregate(cluster, 1, 4)  # warm up
         for r in range(rounds):
             for stages, cluster in clusters.items():
-                others[stages].append(cluster_single(cluster, tokens).other_ms / 1000.0)
+                stream = cluster_single(cluster, tokens)
+                others[stages].append(stream.other_ms / 1000.0)
+                computes[stages].append(stream.compute_ms / 1000.0)
             log(
-                f"path round {r + 1}/{rounds}: other than compute, 1 stage {others[1][-1] * 1e3:.2f} ms, "
-                f"2 stages {others[2][-1] * 1e3:.2f} ms per token"
+                f"path round {r + 1}/{rounds}: a token's compute and the rest, 1 stage "
+                f"{computes[1][-1] * 1e3:.2f} + {others[1][-1] * 1e3:.2f} ms, 2 stages "
+                f"{computes[2][-1] * 1e3:.2f} + {others[2][-1] * 1e3:.2f} ms"
             )
     finally:
         for cluster in clusters.values():
             cluster.stop()
-    one, two = statistics.median(others[1]), statistics.median(others[2])
-    return max(one, 1e-6), max(two - one, 0.0)
+    return PathFigures(
+        other_s={k: statistics.median(v) for k, v in others.items()},
+        compute_s={k: statistics.median(v) for k, v in computes.items()},
+        ranges=tuple((start, end) for start, end in clusters[2].ranges),
+    )
+
+
+def predicted_compute(
+    checkpoint: Path, profile: MachineProfile, layers: tuple[tuple[int, int], ...], *, tokens: int
+) -> float:
+    """Seconds of compute a token of one stream takes through a chain of `layers` of the model at
+    `checkpoint`, as `profile` predicts it (the bench's prompt and `tokens` more, as `measure_path`
+    times them)."""
+    from layerline.bench.run import PROMPT
+
+    from .check import count_tokens
+    from .hardware import CPU, DEFAULT_INTER_HOST, LINKS
+    from .predict import CostModel, Layout, Machine, Workload
+
+    config = ModelConfig.from_checkpoint(checkpoint)
+    layout = Layout(1, len(layers), 1, layers)
+    machine = Machine(CPU, 1, 1, None, LINKS[DEFAULT_INTER_HOST], profile)
+    context = count_tokens(checkpoint, PROMPT) + tokens // 2  # a token's context, on average
+    cost = CostModel(config, machine, Workload("float32", context, 1, context), layout)
+    return sum(cost.stage(stage, 1, context=context, alone=True) for stage in layout.stages(config.num_layers))
 
 
 def calibrate(checkpoint: Path, *, port: int = 7580, log: Callable[[str], None] = print) -> MachineProfile:
@@ -327,12 +382,14 @@ def calibrate(checkpoint: Path, *, port: int = 7580, log: Callable[[str], None] 
     if "bfloat16" not in matmul:
         log("bfloat16: not measured, this CPU has no bfloat16 instructions (plans for it here need --dtype float32)")
     allreduce = {str(size): measure_allreduce(size) for size in (2, 3)}
-    log("all-reduce of a hidden state: " + ", ".join(f"tp {k} {v * 1e6:.0f} us" for k, v in allreduce.items()))
+    log(
+        "all-reduce between computations: "
+        + ", ".join(f"tp {k} {t * 1e6:.0f} us a token, {b / 1e9:.2f} GB/s beyond" for k, (t, b) in allreduce.items())
+    )
     runtime = measure_runtime_bytes()
     log(f"a stage process besides its tensors: {runtime / 2**20:.0f} MiB")
-    step, hop = measure_path(checkpoint, port=port, tokens=32, rounds=3, log=log)
-    log(f"layerline's path: {step * 1e3:.2f} ms a step besides compute, {hop * 1e3:.2f} ms more per hop")
-    return MachineProfile(
+    path = measure_path(checkpoint, port=port, tokens=PATH_TOKENS, rounds=3, log=log)
+    profile = MachineProfile(
         cpu=cpu_name(),
         cores=cores,
         memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
@@ -342,8 +399,24 @@ def calibrate(checkpoint: Path, *, port: int = 7580, log: Callable[[str], None] 
         small_matmul_flops=small,
         layer_overhead_s=per_layer,
         stage_step_s=per_step,
-        step_overhead_s=step,
-        hop_s=hop,
-        allreduce_s=allreduce,
+        step_overhead_s=max(path.other_s[1], 1e-6),
+        hop_s=0.0,
+        allreduce_s={k: t for k, (t, _) in allreduce.items()},
+        allreduce_bytes_s={k: b for k, (_, b) in allreduce.items()},
         runtime_bytes=runtime,
+        cluster_compute_factor=1.0,
     )
+    # A cluster's stages compute slower than the engine's steps back to back (the rates above), and
+    # a chain of 2 slower still than 1 (each stage starts its step after a pause): the first is a
+    # factor on every stage's compute, the second part of what a hop costs.
+    n = ModelConfig.from_checkpoint(checkpoint).num_layers
+    one = predicted_compute(checkpoint, profile, ((0, n),), tokens=PATH_TOKENS)
+    two = predicted_compute(checkpoint, profile, path.ranges, tokens=PATH_TOKENS)
+    factor = path.compute_s[1] / one
+    hop = max(0.0, path.compute_s[2] + path.other_s[2] - path.compute_s[1] - path.other_s[1] - factor * (two - one))
+    log(
+        f"layerline's path: {path.other_s[1] * 1e3:.2f} ms a step besides compute; a stage's compute in a "
+        f"cluster {factor:.2f}x what the rates predict ({path.compute_s[1] * 1e3:.1f} against {one * 1e3:.1f} ms "
+        f"a token); one more hop {hop * 1e3:.2f} ms"
+    )
+    return replace(profile, cluster_compute_factor=factor, hop_s=hop)

@@ -56,7 +56,8 @@ class Row:
         return abs(self.predicted - self.measured) <= TOLERANCE * self.measured
 
 
-def _tokens(checkpoint: Path, text: str) -> int:
+def count_tokens(checkpoint: Path, text: str) -> int:
+    """Tokens of `text` under the checkpoint's tokenizer."""
     from tokenizers import Tokenizer
 
     return len(Tokenizer.from_file(str(checkpoint / "tokenizer.json")).encode(text).ids)
@@ -66,7 +67,7 @@ def predictions(
     config: ModelConfig, profile: MachineProfile, checkpoint: Path, *, new_tokens: int, concurrency: int, dtype: str
 ) -> dict[str, dict[str, float]]:
     machine = Machine(CPU, 1, 1, None, LINKS[DEFAULT_INTER_HOST], profile)  # one host: no link between hosts
-    short, long = _tokens(checkpoint, PROMPT), _tokens(checkpoint, LONG_PROMPT)
+    short, long = count_tokens(checkpoint, PROMPT), count_tokens(checkpoint, LONG_PROMPT)
     by_shape = {(lay.tp, lay.pp, lay.dp): lay for lay in layouts(config, machine)}
     out = {}
     for name, shape in CHECKED.items():
@@ -157,7 +158,7 @@ def run_check(
     rows = [Row(name, f, predicted[name][f], measured[name][f]) for name in CHECKED for f in FIGURES]
     if not links:
         return rows
-    short, long = _tokens(checkpoint, PROMPT), _tokens(checkpoint, LONG_PROMPT)
+    short, long = count_tokens(checkpoint, PROMPT), count_tokens(checkpoint, LONG_PROMPT)
     across = check_links.link_predictions(
         config, profile, short=short, long=long, new_tokens=new_tokens, concurrency=concurrency, dtype=dtype
     )

@@ -123,6 +123,14 @@ def _crossings(layout: Layout, machine: Machine) -> int:
     return hops + (nodes[-1] != nodes[0])
 
 
+def waves(threads: int, cores: int) -> int:
+    """How many times longer a step of tensor-parallel ranks with `threads` threads in all takes on
+    `cores` cores than on a core each: the ranks meet at every all-reduce, and with more threads than
+    cores the last of them computes after the others are done (3 ranks on 2 cores: 2, where sharing
+    the cores evenly would give 1.5; tp 3's prompt on 2 cores measured 1.5-1.7x what 1.5 predicted)."""
+    return max(1, math.ceil(threads / cores))
+
+
 class CostModel:
     """Seconds for a step of `rows` tokens on one stage, on this machine or a catalog device."""
 
@@ -193,9 +201,12 @@ class CostModel:
         seconds += head / p.matmul_rate(dtype, threads, 1, hidden=hidden)
         seconds += layers * p.layer_overhead_s.get(dtype, max(p.layer_overhead_s.values()))
         seconds += p.stage_step_s.get(dtype, max(p.stage_step_s.values()))
-        # A stage's tp ranks compute at once: more threads than cores and each runs that much slower.
-        seconds *= max(1.0, stage.tp * threads / self.cores)
-        return seconds + (2 * layers + stage.last) * p.allreduce(stage.tp)
+        seconds *= waves(stage.tp * threads, self.cores)
+        # Between steps a cluster's other processes run: its stages compute slower than steps back to back.
+        seconds *= p.cluster_compute_factor
+        # Two all-reduces a layer of each row's hidden state (and the head's gather on the last stage).
+        nbytes = rows * hidden_bytes_per_token(self.config, dtype)
+        return seconds + (2 * layers + stage.last) * p.allreduce(stage.tp, nbytes)
 
 
 def predict(config: ModelConfig, layout: Layout, machine: Machine, work: Workload) -> Prediction:
@@ -236,7 +247,7 @@ def predict(config: ModelConfig, layout: Layout, machine: Machine, work: Workloa
     bounds = [sum(many) + overhead, micro * max(many)]
     if machine.is_cpu:  # a host's cores are shared by the ranks of every stage of every chain on it
         threads = cost.cpu_threads(alone=micro == 1)
-        core_seconds = layout.dp * micro * sum(many) * layout.tp * threads / max(1.0, layout.tp * threads / cost.cores)
+        core_seconds = layout.dp * micro * sum(many) * layout.tp * threads / waves(layout.tp * threads, cost.cores)
         bounds.append(core_seconds / (cost.cores * machine.core_hosts))
     rounds = max(bounds)
     chunks = [

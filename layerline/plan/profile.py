@@ -16,12 +16,13 @@ from typing import Any
 
 from layerline.model_store import cache_root
 
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 MATMUL_ROWS = (1, 4, 8, 16, 64, 256)  # the row counts measured: decode steps up to prompt chunks
 # The hidden sizes whose layers the matmul rates are measured on: the embedded model's, and a wide
 # model's whose steps are nearly all streaming weights. A model between them is read in between.
 SMALL_HIDDEN = 576
 WIDE_HIDDEN = 2560
+ALLREDUCE_BYTES = 4096 * 4  # the all-reduce `allreduce_s` times: a token's hidden state of 4096 float32
 
 
 class ProfileError(ValueError):
@@ -50,6 +51,11 @@ class MachineProfile:
     step_overhead_s: float  # a step's time on layerline's path that is not compute: coordinator and 1 hop
     hop_s: float  # what one more pipeline hop adds to a step on this machine
     allreduce_s: dict[str, float]  # tp -> one all-reduce of a token's hidden state among tp ranks (gloo)
+    # tp -> bytes/s that a larger all-reduce (a prompt chunk's hidden states) adds beyond a token's
+    allreduce_bytes_s: dict[str, float]
+    # a stage's compute in a local cluster over what the rates above predict for it (one process,
+    # steps back to back): layerline's own engine between pauses, measured on the embedded model
+    cluster_compute_factor: float
     runtime_bytes: int  # a stage process's memory besides weights, KV and activations
     version: int = PROFILE_VERSION
 
@@ -68,13 +74,17 @@ class MachineProfile:
         w = min(max(math.log(hidden / SMALL_HIDDEN) / math.log(WIDE_HIDDEN / SMALL_HIDDEN), 0.0), 1.0)
         return math.exp((1 - w) * math.log(small) + w * math.log(wide))
 
-    def allreduce(self, tp: int) -> float:
+    def allreduce(self, tp: int, nbytes: int = ALLREDUCE_BYTES) -> float:
+        """One all-reduce of `nbytes` among `tp` ranks: a token's time, and beyond a token's bytes
+        what each further byte adds."""
         if tp == 1:
             return 0.0
+        extra = max(0, nbytes - ALLREDUCE_BYTES)
         if str(tp) in self.allreduce_s:
-            return self.allreduce_s[str(tp)]
-        largest = max(int(t) for t in self.allreduce_s)  # a ring's latency grows with its length
-        return self.allreduce_s[str(largest)] * (tp - 1) / (largest - 1)
+            return self.allreduce_s[str(tp)] + extra / self.allreduce_bytes_s[str(tp)]
+        largest = max(int(t) for t in self.allreduce_s)  # a ring's latency and traffic grow with its length
+        scale = (tp - 1) / (largest - 1)
+        return scale * (self.allreduce_s[str(largest)] + extra / self.allreduce_bytes_s[str(largest)])
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -104,7 +114,7 @@ class MachineProfile:
             raise ProfileError(f"{source}: missing fields {sorted(missing)}, unknown fields {sorted(extra)}")
         for name in ("cores", "memory_bytes", "runtime_bytes"):
             _positive(raw[name], f"{source}: {name}", integer=True)
-        for name in ("bandwidth_bytes_s", "step_overhead_s"):
+        for name in ("bandwidth_bytes_s", "step_overhead_s", "cluster_compute_factor"):
             _positive(raw[name], f"{source}: {name}")
         _positive(raw["hop_s"], f"{source}: hop_s", zero=True)
         _table(raw["matmul_flops"], f"{source}: matmul_flops", depth=3)
@@ -112,6 +122,9 @@ class MachineProfile:
         _table(raw["layer_overhead_s"], f"{source}: layer_overhead_s", depth=1)
         _table(raw["stage_step_s"], f"{source}: stage_step_s", depth=1)
         _table(raw["allreduce_s"], f"{source}: allreduce_s", depth=1, allow_empty=True)
+        _table(raw["allreduce_bytes_s"], f"{source}: allreduce_bytes_s", depth=1, allow_empty=True)
+        if raw["allreduce_s"].keys() != raw["allreduce_bytes_s"].keys():
+            raise ProfileError(f"{source}: allreduce_s and allreduce_bytes_s must name the same tp sizes")
         for name in ("cpu", "torch_version"):
             if not isinstance(raw[name], str):
                 raise ProfileError(f"{source}: {name} must be a string")
