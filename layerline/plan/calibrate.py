@@ -26,17 +26,16 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from layerline.launcher import ClusterPlan, LocalCluster
 from layerline.shared.model_config import LayerRange, ModelConfig
 
+from .path import PATH_TOKENS, measure_path, predicted_compute
 from .profile import ALLREDUCE_BYTES, MATMUL_ROWS, SMALL_HIDDEN, WIDE_HIDDEN, MachineProfile
 
 DTYPES = ("float32", "bfloat16")
@@ -74,7 +73,6 @@ SMALL: dict[str, int | str] = {  # the embedded model's layers (SmolLM2-135M): i
 SMALL_LAYERS = 12  # 170 MB of float32: more than the caches
 BANDWIDTH_ELEMENTS = 1 << 28  # 1 GiB of float32
 ALLREDUCE_ROUNDS = 300
-PATH_TOKENS = 32  # tokens of each single stream through the path's clusters
 # A prompt chunk's hidden states, all-reduced as a tensor-parallel prefill does: 64 tokens of 4096
 # float32 (1 MiB), between 8 times a decode step's compute (a prompt chunk's share of a layer: the
 # longer each rank computes, the longer one that the cores left waiting holds the others). Timed only
@@ -292,82 +290,6 @@ def measure_runtime_bytes() -> int:
     if done.returncode != 0:
         raise RuntimeError(f"measuring a stage process's memory failed: {done.stderr[-500:]}")
     return int(done.stdout.split()[-1]) * 1024
-
-
-@dataclass(frozen=True)
-class PathFigures:
-    """Single streams through 1- and 2-stage local clusters of the embedded model, per token."""
-
-    other_s: dict[int, float]  # stages -> the time besides its stages' compute (their own count)
-    compute_s: dict[int, float]  # stages -> the stages' compute
-    ranges: tuple[tuple[int, int], ...]  # the 2-stage chain's layers
-
-
-def measure_path(checkpoint: Path, *, port: int, tokens: int, rounds: int, log: Callable[[str], None]) -> PathFigures:
-    """Layerline's own path on this machine: single streams of `tokens` through 1 and 2 stages,
-    interleaved rounds, medians."""
-    from layerline.bench.run import cluster_aggregate, cluster_single
-
-    logs = Path(tempfile.mkdtemp(prefix="layerline-calibrate-"))
-    others: dict[int, list[float]] = {1: [], 2: []}
-    computes: dict[int, list[float]] = {1: [], 2: []}
-    clusters = {
-        stages: LocalCluster(
-            ClusterPlan(
-                model=str(checkpoint),
-                stages=stages,
-                port=port + stages,
-                log_dir=logs / f"{stages}",
-                coordinator_args=("--prefix-cache", "0"),
-            ),
-            checkpoint,
-        )
-        for stages in (1, 2)
-    }
-    try:
-        for cluster in clusters.values():
-            cluster.start()
-        for cluster in clusters.values():
-            cluster.wait_ready()
-            cluster_aggregate(cluster, 1, 4)  # warm up
-        for r in range(rounds):
-            for stages, cluster in clusters.items():
-                stream = cluster_single(cluster, tokens)
-                others[stages].append(stream.other_ms / 1000.0)
-                computes[stages].append(stream.compute_ms / 1000.0)
-            log(
-                f"path round {r + 1}/{rounds}: a token's compute and the rest, 1 stage "
-                f"{computes[1][-1] * 1e3:.2f} + {others[1][-1] * 1e3:.2f} ms, 2 stages "
-                f"{computes[2][-1] * 1e3:.2f} + {others[2][-1] * 1e3:.2f} ms"
-            )
-    finally:
-        for cluster in clusters.values():
-            cluster.stop()
-    return PathFigures(
-        other_s={k: statistics.median(v) for k, v in others.items()},
-        compute_s={k: statistics.median(v) for k, v in computes.items()},
-        ranges=tuple((start, end) for start, end in clusters[2].ranges),
-    )
-
-
-def predicted_compute(
-    checkpoint: Path, profile: MachineProfile, layers: tuple[tuple[int, int], ...], *, tokens: int
-) -> float:
-    """Seconds of compute a token of one stream takes through a chain of `layers` of the model at
-    `checkpoint`, as `profile` predicts it (the bench's prompt and `tokens` more, as `measure_path`
-    times them)."""
-    from layerline.bench.run import PROMPT
-
-    from .check import count_tokens
-    from .hardware import CPU, DEFAULT_INTER_HOST, LINKS
-    from .predict import CostModel, Layout, Machine, Workload
-
-    config = ModelConfig.from_checkpoint(checkpoint)
-    layout = Layout(1, len(layers), 1, layers)
-    machine = Machine(CPU, 1, 1, None, LINKS[DEFAULT_INTER_HOST], profile)
-    context = count_tokens(checkpoint, PROMPT) + tokens // 2  # a token's context, on average
-    cost = CostModel(config, machine, Workload("float32", context, 1, context), layout)
-    return sum(cost.stage(stage, 1, context=context, alone=True) for stage in layout.stages(config.num_layers))
 
 
 def calibrate(checkpoint: Path, *, port: int = 7580, log: Callable[[str], None] = print) -> MachineProfile:
