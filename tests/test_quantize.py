@@ -8,7 +8,14 @@ import torch
 
 from layerline.shared.model_config import LayerRange
 from layerline.stage_worker.parallel import TensorParallel
-from layerline.stage_worker.quantize import INT4_GROUP, Int4Linear, Int8Embedding, Int8Linear, QuantizeError
+from layerline.stage_worker.quantize import (
+    DEQUANTIZED_ROWS,
+    INT4_GROUP,
+    Int4Linear,
+    Int8Embedding,
+    Int8Linear,
+    QuantizeError,
+)
 from layerline.stage_worker.settings import StageSettings
 from layerline.stage_worker.weights import load_stage
 
@@ -22,12 +29,13 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).norm() / want.norm()).item()
 
 
-@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("rows", [1, 3, 17, DEQUANTIZED_ROWS, 300])
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quantized_layer_multiplies_by_its_dense_weight(scheme, rows):
     """The kernel's product equals x W'^T + b, W' the dequantized weight, up to the rounding of x
     and of the result to bfloat16 (the kernels' dtype): within 1/128 of the largest output. 40
-    output channels: int4 pads them to 48 and cuts the padding off."""
+    output channels: int4 pads them to 48 and cuts the padding off. From DEQUANTIZED_ROWS rows on,
+    int8 multiplies by its codes made DEQUANTIZED_DTYPE instead of calling the kernel."""
     torch.manual_seed(0)
     weight, bias, x = torch.randn(40, 64), torch.randn(40), torch.randn(rows, 64)
     layer = LAYERS[scheme](weight, bias)

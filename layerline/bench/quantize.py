@@ -68,6 +68,7 @@ class SchemeFigures:
     weights_bytes_one_copy: int  # the same without float32's second copy packed for oneDNN (--weight-layout both)
     decode_tok_s_1: float  # one stream
     decode_tok_s_32: float  # 32 streams, tokens of all of them
+    prefill_ms: float  # the first token of HELD_TEXT (about 300 tokens): one step of all of them
     agreement: float  # teacher-forced argmax agreement with float32's greedy tokens
     positions: int  # positions that agreement counts
     perplexity: float  # of HELD_TEXT
@@ -179,11 +180,14 @@ def run_quantize_bench(
     batch = {str(i): prompts[str(i % len(prompts))] for i in range(32)}
     times: dict[tuple[str, int], list[float]] = {}
     for r in range(rounds):
-        log(f"round {r + 1} of {rounds}: {new_tokens} tokens of 1 and of 32 streams per scheme")
+        log(f"round {r + 1} of {rounds}: {new_tokens} tokens of 1 and of 32 streams, a prompt's first token")
         for scheme, stage in stages.items():
             for streams, seqs in ((1, {"0": prompts["0"]}), (32, batch)):
                 _, seconds = Decoder(stage).greedy(seqs, new_tokens)
                 times.setdefault((scheme, streams), []).append(streams * (new_tokens - 1) / seconds)
+            start = time.perf_counter()
+            Decoder(stage).step({"text": text_ids})
+            times.setdefault((scheme, 0), []).append(1000 * (time.perf_counter() - start))
     result = QuantizeBench(
         model=checkpoint.name, threads=threads, new_tokens=new_tokens, rounds=rounds, cpu=_cpu_name()
     )
@@ -196,6 +200,7 @@ def run_quantize_bench(
                 weights_bytes_one_copy=weights_bytes(stage, packed=False),
                 decode_tok_s_1=statistics.median(times[(scheme, 1)]),
                 decode_tok_s_32=statistics.median(times[(scheme, 32)]),
+                prefill_ms=statistics.median(times[(scheme, 0)]),
                 agreement=agree / total,
                 positions=total,
                 perplexity=perplexity(stage, text_ids),
@@ -203,6 +208,13 @@ def run_quantize_bench(
         )
     base = result.schemes[0]
     for figures in result.schemes[1:]:
-        for name in ("weights_bytes", "weights_bytes_one_copy", "decode_tok_s_1", "decode_tok_s_32", "perplexity"):
+        for name in (
+            "weights_bytes",
+            "weights_bytes_one_copy",
+            "decode_tok_s_1",
+            "decode_tok_s_32",
+            "prefill_ms",
+            "perplexity",
+        ):
             result.ratios[f"{figures.quantize} {name} vs none"] = getattr(figures, name) / getattr(base, name)
     return result
