@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from layerline.coordinator.prompt_lookup import MAX_NGRAM, PromptLookup
+from layerline.coordinator.prompt_lookup import MAX_NGRAM, MIN_NGRAM, PromptLookup
 from layerline.shared.model_config import LayerRange
 from layerline.stage_worker.engine import SequenceStep, StageEngine
 from layerline.stage_worker.kv_cache import CacheShape, PagedKVCache
@@ -152,10 +152,12 @@ def test_prompt_lookup_drafts_what_followed_the_longest_latest_match():
     assert lookup.draft(history, 3) == [7, 8, 2]  # [2, 3] last occurred before 7
     assert lookup.draft([*history, 4], 2) == [5, 9]  # [2, 3, 4] occurred once
     assert lookup.draft([*history, 4, 6], 2) == []  # nothing followed 6 before
-    assert lookup.draft([*history, 4, 6, 5], 4) == [9, 2, 3, 7]
-    assert lookup.draft([*history, 4, 6, 5], 0) == []
-    assert PromptLookup().draft([5], 3) == [] and PromptLookup().draft([5, 5], 3) == [5]
-    assert MAX_NGRAM == 3
+    assert lookup.draft([*history, 4, 6, 5], 4) == []  # only [5] occurred before
+    assert lookup.draft([*history, 4, 6, 5, 4, 5], 4) == [9, 2, 3, 7]  # [4, 5] did
+    assert lookup.draft([*history, 4, 6, 5, 4, 5], 0) == []
+    assert PromptLookup().draft([5, 6, 5, 6], 3) == [5, 6]  # [5, 6] occurred before: a bigram is enough
+    assert PromptLookup().draft([5, 7, 5], 3) == []  # only [5] occurred before: one token is no draft
+    assert (MIN_NGRAM, MAX_NGRAM) == (2, 3)
 
 
 def test_a_drafts_length_halves_after_a_miss_and_doubles_after_a_hit():
