@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from .engine import StageEngine, StepOutput
 from .frames import ReceivedStep
@@ -43,17 +43,10 @@ class StageCompute:
     def __init__(self, engine: StageEngine, *, executor: ThreadPoolExecutor | None = None) -> None:
         self.engine = engine
         self.executor = executor or compute_thread()
-        self.queued = 0  # calls submitted to the compute thread and not yet finished
 
     def on_thread(self, fn: Callable[[], T]) -> asyncio.Future[T]:
         """Run `fn` on the compute thread, after everything submitted before it."""
-        self.queued += 1
-        future = asyncio.get_running_loop().run_in_executor(self.executor, fn)
-        future.add_done_callback(self._computed)
-        return future
-
-    def _computed(self, _: asyncio.Future[Any]) -> None:
-        self.queued -= 1
+        return asyncio.get_running_loop().run_in_executor(self.executor, fn)
 
     def start(self, step: ReceivedStep, *, chain: str = "") -> asyncio.Future[StepOutput]:
         """Begin computing a step that came by `chain`, after those before it. Failures come in the future."""
