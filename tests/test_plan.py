@@ -497,3 +497,23 @@ def test_the_check_s_link_rows_are_two_hosts_sharing_this_machine_s_cores(real_m
     gap = 1 / five["decode_tok_s"] - 1 / one["decode_tok_s"]
     assert gap == pytest.approx(2 * 0.004, rel=1e-6)
     assert local["decode_tok_s"] > one["decode_tok_s"] > five["decode_tok_s"]
+
+
+def test_tensor_parallel_ranks_beyond_the_cores_take_waves() -> None:
+    """Ranks meet at every all-reduce: with more threads than cores the last computes after the
+    others (3 ranks on 2 cores take twice a rank's time, not the 1.5x of sharing them evenly)."""
+    from layerline.plan.predict import waves
+
+    assert [waves(t, 2) for t in (1, 2, 3, 4, 5)] == [1, 1, 2, 2, 3]
+    _, config = load_model_config("smollm2-135m-instruct")
+    work, layout = Workload("float32", 512, 1, 64), Layout(3, 1, 1, ((0, 30),))
+    (stage,) = layout.stages(30)
+    quiet = {"allreduce_s": {"2": 1e-12, "3": 1e-12}, "allreduce_bytes_s": {"2": 1e30, "3": 1e30}}
+    on = {
+        cores: CostModel(config, machine("cpu", profile=a_profile(cores=cores, **quiet)), work, layout)
+        for cores in (2, 4)
+    }
+    assert on[2].threads == on[4].threads == 1  # a thread a rank either way
+    # The same rank's work: on 4 cores all three at once, on 2 in two waves (even sharing: 1.5x).
+    ratio = on[2].stage(stage, 1, context=64, alone=True) / on[4].stage(stage, 1, context=64, alone=True)
+    assert ratio == pytest.approx(2.0)
