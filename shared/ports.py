@@ -4,7 +4,10 @@ A port found free by binding port 0 comes from the kernel's ephemeral range, the
 kernel takes the source ports of outgoing connections from. Between finding it and the server
 binding it, a gRPC channel of any process on the machine can take it as its source port, and the
 server then fails with "address already in use" (seen in the test suite). So ports are chosen at
-random below that range, where only a listener can be, and checked by binding them.
+random below that range, where only a listener can be, and checked by binding them. A port this
+process handed out is not handed out again (among its last `REMEMBERED`): a launcher chooses every
+port of a cluster before any process binds one, and two random choices can meet (a coordinator's
+health port and a stage's port did, failing a CI run).
 
 Knows nothing of what listens on them.
 """
@@ -13,11 +16,15 @@ from __future__ import annotations
 
 import random
 import socket
+from collections import deque
 from pathlib import Path
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LOWEST = 10000  # below this, ports that other services are known to listen on
 TRIES = 200
+REMEMBERED = 4096  # ports this process handed out that it does not hand out again
+
+_handed_out: deque[int] = deque(maxlen=REMEMBERED)
 
 
 def ephemeral_range() -> tuple[int, int]:
@@ -38,7 +45,9 @@ def free_port(host: str = "127.0.0.1", *, count: int = 1) -> int:
     for _ in range(TRIES if spans else 0):
         start, end = rng.choice(spans)
         base = rng.randint(start, end - count + 1)
-        if all(_bindable(host, port) for port in range(base, base + count)):
+        chosen = range(base, base + count)
+        if not any(port in _handed_out for port in chosen) and all(_bindable(host, port) for port in chosen):
+            _handed_out.extend(chosen)
             return base
     if count == 1:  # no room outside the ephemeral range (a machine configured so): the kernel's choice
         with socket.socket() as s:
