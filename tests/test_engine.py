@@ -8,7 +8,7 @@ import torch
 from layerline.shared.model_config import LayerRange
 from layerline.stage_worker.engine import SequenceStep, StageEngine, StepInputError
 from layerline.stage_worker.kv_cache import CacheShape, KVCacheExhausted, PagedKVCache
-from layerline.stage_worker.sampler import SamplingParams, sample
+from layerline.stage_worker.sampler import SamplingParams, greedy, sample
 from layerline.stage_worker.weights import load_stage
 
 from .tiny_models import make_tiny_checkpoint
@@ -179,6 +179,20 @@ def test_a_step_alone_on_its_chain_takes_the_prefill_threads(ckpt):
         assert seen == [(2, 2), (1, 1), (2, 2), (1, 1), (2, 2)]  # alone: the chain's threads, whatever its size
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 32])
+def test_greedy_picks_what_argmax_picks_among_ties_infinities_and_nan(rows):
+    gen = torch.Generator().manual_seed(rows)
+    for trial in range(20):
+        logits = torch.randint(-2, 3, (rows, 49152), generator=gen).float()  # ties everywhere, far apart too
+        if trial % 4 == 1:
+            logits[0, torch.randint(0, 49152, (2,), generator=gen)] = float("nan")
+        if trial % 4 == 2:
+            logits[-1] = float("-inf")
+        if trial % 4 == 3:
+            logits[0, [40000, 5]] = float("inf")
+        assert greedy(logits) == logits.argmax(-1).tolist()
 
 
 def test_greedy_and_top_k_one_agree_and_seeds_reproduce():
