@@ -203,14 +203,17 @@ def test_a_stage_worker_killed_under_up_comes_back_while_the_cluster_keeps_servi
     assert f"serving on {victim_address}" in log.split("--- layerline up: restart 1")[1]
 
     # It is routed to again: new streams go to both chains, and the restarted worker computes their steps.
-    # (New prompts: the answers to the first ones stay cached on the chain that served them, and
-    # routing by cache would send the same prompts there again.)
-    fresh = [f"Verse {i + 1}: the wind came down from the hills" for i in range(len(PROMPTS))]
+    # (New prompts, each with its own first token: the answers to the first ones stay cached on the
+    # chain that served them, and routing by cache would send prompts sharing a prefix to one chain.)
+    fresh = [f"{i + 1} winds came down from the hills" for i in range(len(PROMPTS))]
     assert asyncio.run(_streams(up.address, on_token=lambda tokens: None, prompts=fresh)) == [greedy(p) for p in fresh]
-    status = up.status()
-    assert status is not None
-    steps = next(w for w in status.workers if w.address == victim_address).load.steps_computed
-    assert steps - back.load.steps_computed >= 10  # more than its readiness probes
+
+    def steps_since_back() -> int:  # as of the worker's last heartbeat (one a second)
+        status = up.status()
+        worker = next((w for w in status.workers if w.address == victim_address), None) if status else None
+        return worker.load.steps_computed - back.load.steps_computed if worker else 0
+
+    up.wait_for(lambda: steps_since_back() >= 10, 10, "the restarted worker's steps")  # more than its probes
 
 
 @pytest.mark.timeout(300)
