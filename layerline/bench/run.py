@@ -124,6 +124,24 @@ class Baseline:
         return Seconds(self._generate(self.long_ids, 1))
 
 
+def measured_cluster(
+    checkpoint: Path, *, port: int, log_dir: Path, dtype: str = ClusterPlan.dtype, **layout: Any
+) -> LocalCluster:
+    """A local cluster of `checkpoint` laid out as `layout` (stages, tp, ...), as the bench measures one.
+
+    Every round sends the same prompt: without the cache of finished requests' KV, each round's
+    first token is computed, as transformers computes it (live sharing stays on)."""
+    plan = ClusterPlan(
+        model=str(checkpoint),
+        dtype=dtype,
+        port=port,
+        log_dir=log_dir,
+        coordinator_args=("--prefix-cache", "0"),
+        **layout,
+    )
+    return LocalCluster(plan, checkpoint)
+
+
 def cluster_long_ttft(cluster: LocalCluster) -> Seconds:
     with cluster.client() as client:
         start = time.perf_counter()
@@ -240,19 +258,7 @@ def run_bench(
         **({"2_stages_tls": {"stages": 2, "tls": True}} if tls else {}),
     }
     clusters = {
-        # Every round sends the same prompt: without the cache of finished requests' KV, each
-        # round's first token is computed, as transformers computes it (live sharing stays on).
-        name: LocalCluster(
-            ClusterPlan(
-                model=str(checkpoint),
-                dtype=dtype,
-                port=port + i,
-                log_dir=logs / name,
-                coordinator_args=("--prefix-cache", "0"),
-                **layout,
-            ),
-            checkpoint,
-        )
+        name: measured_cluster(checkpoint, port=port + i, log_dir=logs / name, dtype=dtype, **layout)
         for i, (name, layout) in enumerate(layouts.items(), start=1)
     }
     try:

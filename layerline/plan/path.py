@@ -14,7 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from layerline.launcher import ClusterPlan, LocalCluster
 from layerline.shared.model_config import ModelConfig
 
 from .profile import MachineProfile
@@ -34,22 +33,13 @@ class PathFigures:
 def measure_path(checkpoint: Path, *, port: int, tokens: int, rounds: int, log: Callable[[str], None]) -> PathFigures:
     """Layerline's own path on this machine: single streams of `tokens` through 1 and 2 stages,
     interleaved rounds, medians."""
-    from layerline.bench.run import cluster_aggregate, cluster_single
+    from layerline.bench.run import cluster_aggregate, cluster_single, measured_cluster
 
     logs = Path(tempfile.mkdtemp(prefix="layerline-calibrate-"))
     others: dict[int, list[float]] = {1: [], 2: []}
     computes: dict[int, list[float]] = {1: [], 2: []}
     clusters = {
-        stages: LocalCluster(
-            ClusterPlan(
-                model=str(checkpoint),
-                stages=stages,
-                port=port + stages,
-                log_dir=logs / f"{stages}",
-                coordinator_args=("--prefix-cache", "0"),
-            ),
-            checkpoint,
-        )
+        stages: measured_cluster(checkpoint, port=port + stages, log_dir=logs / f"{stages}", stages=stages)
         for stages in (1, 2)
     }
     try:
