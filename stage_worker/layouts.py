@@ -10,9 +10,10 @@ of the same weight that is faster on CPU (each class below says what it measured
 - the LM head becomes `LMHead` (column blocks of its weight);
 - then, where oneDNN serves the dtype (`can_pack`) and the weight layout is not `plain`,
   `pack_linears` wraps each of them in a `PackedLinear`;
-- each plain layout offers `row_weight(threads)`, how a single row multiplies it (on several
-  threads, blocks of its output columns: `_row_blocks`), and the model gets the `RowPath`
-  (rows.py) that runs a step of one token over those weights without the modules.
+- each layout offers `row_weight(threads)`, how a single row multiplies it (a plain one on
+  several threads: blocks of its output columns, `_row_blocks`; a packed one alone: the packed
+  weight, through oneDNN), and the model gets the `RowPath` (rows.py) that runs a step of one
+  token over those weights without the modules.
 
 Under `--quantize int8 | int4` every linear layer, the LM head and the token embedding become
 instead the quantized layers of quantize.py (its kernels take the [out, in] weight), never
@@ -242,9 +243,14 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", None if plain.bias is None else plain.bias.detach().contiguous())
         self.plain = plain if keep_plain else None
 
-    def row_weight(self, threads: int) -> RowWeight | None:
-        """The plain layer's, when it is kept (a packed weight alone has no single-row form)."""
-        return None if self.plain is None else self.plain.row_weight(threads)
+    def row_weight(self, threads: int) -> RowWeight:
+        """The plain layer's, when it is kept; else the packed weight, which a single row
+        multiplies through oneDNN as the modules do (`rows.row_product`)."""
+        if self.plain is not None:
+            return self.plain.row_weight(threads)
+        weight, bias = self.weight_packed, self.bias
+        assert isinstance(weight, torch.Tensor) and (bias is None or isinstance(bias, torch.Tensor))
+        return weight, bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.plain is not None and x.shape[0] == 1:
@@ -296,7 +302,7 @@ def apply_layouts(
         model.lm_head = LMHead.of(model.lm_head)
     if weight_layout != "plain" and can_pack(dtype, device):
         pack_linears(model, keep_plain=weight_layout == "both" and dtype == torch.float32)
-    model.row_path = RowPath(model)  # a step of one token over the plain weights, where they are kept
+    model.row_path = RowPath(model)  # a step of one token over the layers' row weights
     return model
 
 

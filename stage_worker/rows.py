@@ -29,23 +29,30 @@ from torch import nn
 from .kv_cache import PagedKVCache
 from .llama import DecoderLayer, StageModel, decode_attention, rms_norm
 
-# How a single row multiplies a linear layer: (w, b) with y = (x @ w).view(1, -1) + b for x [1, in]
-# (see `row_product`). A linear layer that offers `row_weight(threads) -> RowWeight | None` (the CPU
-# layouts of layouts.py do) can be on the path.
+# How a single row multiplies a linear layer: (w, b) with y = (x @ w).view(1, -1) + b for x [1, in],
+# or, where w is oneDNN's packed weight (`w.is_mkldnn`), x W^T + b through oneDNN (see `row_product`).
+# A linear layer that offers `row_weight(threads) -> RowWeight | None` (the CPU layouts of
+# layouts.py do) can be on the path.
 RowWeight = tuple[torch.Tensor, torch.Tensor | None]
 
 
 def row_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of a single row x [1, hidden]: its mean square read out as a number, then two
     products, where `rms_norm` runs half a dozen small kernels (pow, mean, add, rsqrt and the
-    products). Float32 only (other dtypes take `rms_norm`), where it gives the same numbers to
-    rounding: the scale is computed in double and rounded once. A lone stream's step of SmolLM2's
-    30 layers, one process, two threads (Intel Xeon, AVX-512), 2 runs of 12 interleaved rounds:
-    27.4 against 28.2 ms."""
-    if not x.dtype == torch.float32 == weight.dtype:
+    products). The same numbers to rounding: the scale is computed in double and rounded once. A
+    lone stream's step of SmolLM2's 30 layers, one process, two threads (Intel Xeon, AVX-512), 2
+    runs of 12 interleaved rounds: 27.4 against 28.2 ms.
+
+    In half precision the row is normalized in float32, cast, then scaled, the order `rms_norm`
+    and transformers use."""
+    if x.dtype == torch.float32 == weight.dtype:
+        mean_square = float(torch.dot(x[0], x[0])) / x.shape[1]
+        return torch.mul(x, weight).mul_(1.0 / math.sqrt(mean_square + eps))
+    if x.dtype != weight.dtype:
         return rms_norm(x, weight, eps)
-    mean_square = float(torch.dot(x[0], x[0])) / x.shape[1]
-    return torch.mul(x, weight).mul_(1.0 / math.sqrt(mean_square + eps))
+    wide = x.float()
+    mean_square = float(torch.dot(wide[0], wide[0])) / x.shape[1]
+    return weight * wide.mul_(1.0 / math.sqrt(mean_square + eps)).to(x.dtype)
 
 
 def rotation(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -63,7 +70,7 @@ def row_add_product(residual: torch.Tensor, x: torch.Tensor, weight: RowWeight) 
     """residual + x W^T for single rows residual [1, out], x [1, in], in one kernel where the
     weight has no bias (the product adds onto the residual), else as `residual + row_product`."""
     w, b = weight
-    if b is not None:
+    if b is not None or w.is_mkldnn:
         return residual + row_product(x, weight)
     if w.dim() == 2:  # [in, out]
         return torch.addmm(residual, x, w)
@@ -72,9 +79,12 @@ def row_add_product(residual: torch.Tensor, x: torch.Tensor, weight: RowWeight) 
 
 
 def row_product(x: torch.Tensor, weight: RowWeight) -> torch.Tensor:
-    """x W^T + b for a single row x [1, in]: [1, out]. The weight may be [in, out] or output
-    blocks [blocks, in, out / blocks], whose batched product is [1, out] in memory."""
+    """x W^T + b for a single row x [1, in]: [1, out]. The weight may be [in, out], output
+    blocks [blocks, in, out / blocks], whose batched product is [1, out] in memory, or oneDNN's
+    packed weight (layouts.PackedLinear)."""
     w, b = weight
+    if w.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
     y = torch.matmul(x, w).view(1, -1)
     return y if b is None else y + b
 

@@ -247,3 +247,45 @@ def test_one_decoding_row_on_plain_tensors_equals_the_modules_and_transformers(t
         if stages[0].config.sliding_window is None:  # a window past its length takes the general path
             assert stages[0].row_path is not None and stages[0].row_path.plan(threads) is not None
         assert seen == hf_greedy(hf, ids, 6)
+
+
+@pytest.mark.parametrize(("dtype", "layout"), [(torch.float32, "packed"), (torch.bfloat16, "both")])
+def test_one_decoding_row_runs_off_the_modules_on_packed_weights_too(tmp_path, dtype, layout):
+    """A stage whose linear layers keep oneDNN's packed weight alone (float32 under `packed`, and
+    bfloat16 on a CPU with bfloat16 instructions) still takes a lone token off the modules, through
+    the packed products (`rows.row_product`): the logits the modules give for the same step, and
+    the same greedy tokens, on 2 threads."""
+    from dataclasses import replace
+
+    from layerline.stage_worker.layouts import PackedLinear
+
+    from .pipeline import cache_for
+
+    make_tiny_checkpoint("smollm2", tmp_path)
+    stage = load_stage(tmp_path, LayerRange(0, 4), dtype=dtype, weight_layout=layout)
+    stage.set_threads(2)
+    packed = [m for m in stage.modules() if isinstance(m, PackedLinear)]
+    assert stage.row_path is not None and stage.row_path.plan(2) is not None
+    # float32 packs on every CPU oneDNN serves; bfloat16 only on one with bfloat16 instructions
+    # (elsewhere its layers keep the plain layouts, whose row path the test above covers).
+    assert all(m.plain is None for m in packed) and (packed or dtype == torch.bfloat16)
+    caches = {one_row: cache_for(stage) for one_row in (True, False)}
+    new, seen = list(PROMPTS["a"]), {True: [], False: []}
+    for _ in range(6):
+        logits = {}
+        for one_row, cache in caches.items():
+            cache.reserve("s", len(new))
+            layout_ = cache.plan_step(["s"], [len(new)], sliding_window=None)
+            with torch.no_grad():
+                logits[one_row] = stage(
+                    torch.tensor(new),
+                    cache=cache,
+                    layout=layout_ if one_row else replace(layout_, decode_slots=None),
+                    logit_rows=layout_.last_rows(),
+                )
+            seen[one_row].append(int(logits[one_row][-1].argmax()))
+        # bfloat16 (steps of 0.004 near 1): one row's rotary is one product, rounded once, not twice
+        tolerance = 1e-5 if dtype == torch.float32 else 0.03
+        torch.testing.assert_close(logits[True], logits[False], atol=tolerance, rtol=0)
+        new = [seen[False][-1]]
+    assert seen[True] == seen[False]
