@@ -35,7 +35,7 @@ from typing import Any
 import grpc
 
 from layerline.bench.batch_floor import BatchFloor
-from layerline.bench.hop_floor import measure_hop_floor
+from layerline.bench.hop_floor import HopFloor, measure_hop_floor
 from layerline.bench.openai_streams import check_http_is_grpc, http_aggregate, http_single
 from layerline.bench.stream import Stream
 from layerline.client import AsyncClient, Client
@@ -231,6 +231,20 @@ def _show(value: object) -> str:
     return f"{value:.1f} tok/s"
 
 
+def _relay_ratios(result: BenchResult, floor: HopFloor) -> dict[str, float]:
+    """The floor under the first ratio: the bare relay's one stage (the model's matmuls in plain
+    torch float32 and a message a token) against ours, and against transformers: the most any
+    float32 engine of torch's matmuls could show over transformers on this machine. Its weights
+    are float32 whatever the run's dtype, so only a float32 run is compared with it."""
+    if result.dtype != "float32":
+        return {}
+    relay, single = floor.one_stage_gap_ms, result.single_stream
+    return {
+        "single_stream_1_stage_vs_bare_relay": relay / single["1_stage"].median_gap_ms,
+        "single_stream_bare_relay_vs_transformers": single["transformers"].median_gap_ms / relay,
+    }
+
+
 def run_bench(
     checkpoint: Path,
     *,
@@ -322,7 +336,7 @@ def run_bench(
     finally:
         for cluster in clusters.values():
             cluster.stop()
-    _log("the hop's floor: a bare gRPC relay of the model's matmuls (float32) ...")
+    _log(f"the hop's floor: a bare gRPC relay of the model's matmuls (float32; this run {dtype}) ...")
     floor = measure_hop_floor(
         config,
         rounds=rounds,
@@ -346,12 +360,7 @@ def run_bench(
         # products could show) and against one stage's 32 streams (how much of it layerline keeps).
         "matmul_floor_32_vs_transformers_batch_32": a["matmul_floor_x32"] / a["transformers_batch_32"],
         "concurrent_32_1_stage_vs_matmul_floor": a["1_stage_x32"] / a["matmul_floor_x32"],
-        # The floor under the first ratio: the bare relay's one stage (the model's matmuls in plain
-        # torch float32 and a message a token) against ours, and against transformers: the most
-        # any float32 engine of torch's matmuls could show over transformers on this machine.
-        "single_stream_1_stage_vs_bare_relay": floor.one_stage_gap_ms / result.single_stream["1_stage"].median_gap_ms,
-        "single_stream_bare_relay_vs_transformers": result.single_stream["transformers"].median_gap_ms
-        / floor.one_stage_gap_ms,
+        **_relay_ratios(result, floor),
         # The median gap between tokens, 2 stages minus 1: one more hop, the same layers.
         "added_ms_per_extra_hop_per_token": (
             result.single_stream["2_stages"].median_gap_ms - result.single_stream["1_stage"].median_gap_ms
