@@ -7,6 +7,7 @@ command line reads its defaults from here without loading the coordinator.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from layerline.model_store import DEFAULT_MODEL
@@ -62,12 +63,7 @@ class CoordinatorSettings:
             raise ValueError(f"--rate-limit {self.rate_limit} must be > 0 (requests per second)")
         if self.max_concurrent_rpcs < 1:
             raise ValueError(f"--max-concurrent-rpcs {self.max_concurrent_rpcs} must be at least 1")
-        if self.http_port is not None and not 0 <= self.http_port <= 65535:
-            raise ValueError(f"--http-port {self.http_port} must be in [0, 65535]")
-        if self.http_port and self.http_port in (self.port, self.cluster_port):
-            raise ValueError(f"--http-port {self.http_port} must differ from --port and --cluster-port")
-        if self.cluster_port and self.cluster_port == self.port:
-            raise ValueError(f"--cluster-port {self.cluster_port} must differ from --port: the Registry has its own")
+        self._check_ports()
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ValueError(
                 f"--max-prompt-tokens {self.max_prompt_tokens} must be at least 1 (or left out: the context length)"
@@ -76,3 +72,13 @@ class CoordinatorSettings:
             raise ValueError(f"--speculate {self.speculate} must be in [0, {MAX_SPECULATE}] (0: off)")
         if self.depth is not None and self.depth < 1:
             raise ValueError(f"--depth {self.depth} must be at least 1 (or left out: the chain's length)")
+        if not 0.0 < self.probe_interval < math.inf:  # NaN fails too
+            raise ValueError(f"--probe-interval {self.probe_interval} must be a finite number of seconds above 0")
+
+    def _check_ports(self) -> None:
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ValueError(f"--http-port {self.http_port} must be in [0, 65535]")
+        if self.http_port and self.http_port in (self.port, self.cluster_port):
+            raise ValueError(f"--http-port {self.http_port} must differ from --port and --cluster-port")
+        if self.cluster_port and self.cluster_port == self.port:
+            raise ValueError(f"--cluster-port {self.cluster_port} must differ from --port: the Registry has its own")

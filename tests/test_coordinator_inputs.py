@@ -436,3 +436,23 @@ def test_a_server_past_its_concurrent_calls_refuses_new_ones() -> None:
     finally:
         process.terminate()
         process.wait(30)
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "nan", "inf"])
+def test_a_probe_interval_that_is_not_a_positive_number_of_seconds_is_refused_by_name(bad: str, capsys) -> None:
+    from layerline.cli import main
+
+    assert main(["coordinator", "--probe-interval", bad]) == 2
+    assert f"--probe-interval {float(bad)} must be a finite number of seconds above 0" in capsys.readouterr().err
+
+
+def test_the_probe_interval_flag_reaches_the_coordinator_s_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from layerline.cli import main
+    from layerline.coordinator import server
+    from layerline.coordinator.settings import CoordinatorSettings
+
+    seen: list[CoordinatorSettings] = []
+    monkeypatch.setattr(server, "run_coordinator", lambda settings: seen.append(settings) or 0)
+    assert main(["coordinator", "--probe-interval", "600"]) == 0
+    assert main(["coordinator"]) == 0
+    assert [s.probe_interval for s in seen] == [600.0, 15.0]

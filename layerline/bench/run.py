@@ -130,14 +130,13 @@ def measured_cluster(
     """A local cluster of `checkpoint` laid out as `layout` (stages, tp, ...), as the bench measures one.
 
     Every round sends the same prompt: without the cache of finished requests' KV, each round's
-    first token is computed, as transformers computes it (live sharing stays on)."""
+    first token is computed, as transformers computes it (live sharing stays on). Its workers are
+    probed when they join and not again within the hour: the clusters of a run idle side by side
+    while one is measured, and their readiness probes (a real forward each 15 s; about 0.2 s of
+    both cores for the tp-3 stage on 2 cores) would land in its rounds."""
+    coordinator = ("--prefix-cache", "0", "--probe-interval", "3600")
     plan = ClusterPlan(
-        model=str(checkpoint),
-        dtype=dtype,
-        port=port,
-        log_dir=log_dir,
-        coordinator_args=("--prefix-cache", "0"),
-        **layout,
+        model=str(checkpoint), dtype=dtype, port=port, log_dir=log_dir, coordinator_args=coordinator, **layout
     )
     return LocalCluster(plan, checkpoint)
 

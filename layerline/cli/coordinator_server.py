@@ -49,6 +49,7 @@ def _run_coordinator(args: argparse.Namespace) -> int:
             routing=args.routing,
             speculate=args.speculate,
             depth=args.depth,
+            probe_interval=args.probe_interval,
             max_prompt_bytes=parse_size(args.max_prompt_bytes),
             max_prompt_tokens=args.max_prompt_tokens,
             max_chat_messages=args.max_chat_messages,
@@ -142,6 +143,14 @@ def add_coordinator_commands(commands: Subcommands) -> None:
     )
     c.add_argument(
         "--depth", type=int, metavar="N", help="micro-batches in flight per chain (default: the chain's length)"
+    )
+    c.add_argument(
+        "--probe-interval",
+        type=float,
+        default=C.probe_interval,
+        metavar="S",
+        help="seconds between readiness probes of each worker, a real one-token forward through its layers: "
+        "a worker joins routing once one passes and leaves it when one fails (default: %(default)g)",
     )
     max_prompt = format_size(C.max_prompt_bytes)
     c.add_argument(
