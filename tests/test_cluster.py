@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import grpc
@@ -302,3 +303,19 @@ def test_cluster_status_counts_the_steps_each_worker_computed(cluster):
     assert [a[0] - b[0] for a, b in zip(after, before)] == [4, 4]
     assert all(a[1] > b[1] for a, b in zip(after, before))
     assert reported == after
+
+
+@pytest.mark.cluster
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="a stage binds its OpenMP threads only with two or more")
+def test_each_stage_of_a_local_chain_binds_its_openmp_threads_to_cores(cluster):
+    """The chain's stages take turns on this machine's cores, so each binds its OpenMP threads
+    (LocalCluster.stage_env): its threads run on narrower CPU sets than the machine's, at least
+    two different ones (the compute thread's, its OpenMP worker's)."""
+    everything = set(range(os.cpu_count() or 1))
+    for name, proc in cluster.procs:
+        if not name.startswith("stage-"):
+            continue
+        masks = set()
+        for tid in os.listdir(f"/proc/{proc.pid}/task"):
+            masks.add(frozenset(os.sched_getaffinity(int(tid))))
+        assert len(masks) >= 2 and all(mask < everything for mask in masks), (name, masks)

@@ -308,3 +308,23 @@ def test_up_runs_one_micro_batch_at_a_time_on_its_shared_cores_unless_told(up: U
     assert len(coordinators) == 1 and " --depth 1 " in coordinators[0] + " "
     assert main(["up", "--model", str(tiny[0]), "--depth", "0"]) == 2
     assert "--depth 0: micro-batches in flight per chain must be at least 1" in capsys.readouterr().err
+
+
+def test_a_chain_whose_stages_take_turns_on_the_cores_binds_their_openmp_threads(tiny, monkeypatch) -> None:
+    """One replica, no tensor parallelism, one micro-batch at a time, two threads or more: each
+    stage worker starts with its OpenMP threads bound to cores in order (LocalCluster.stage_env);
+    not where stages compute at once or alone on one thread, and never over the user's own."""
+    from layerline.launcher import ClusterPlan, LocalCluster
+
+    monkeypatch.delenv("OMP_PROC_BIND", raising=False)
+    monkeypatch.delenv("OMP_PLACES", raising=False)
+
+    def env(**plan) -> dict[str, str]:  # type: ignore[no-untyped-def]
+        return LocalCluster(ClusterPlan(model=str(tiny[0]), **{"threads": 2, **plan}), tiny[0]).stage_env()
+
+    bound = {"OMP_NUM_THREADS": "2", "OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}
+    assert env() == bound
+    for unbound in ({"replicas": 2}, {"depth": 2}, {"tp": 3}, {"threads": 1}):
+        assert env(**unbound) == {"OMP_NUM_THREADS": str(unbound.get("threads", 2))}, unbound
+    monkeypatch.setenv("OMP_PROC_BIND", "false")  # the user's: the stage inherits it as it is
+    assert env() == {"OMP_NUM_THREADS": "2"}
