@@ -20,6 +20,7 @@ Knows the model's module names and math, nothing of checkpoints, of the engine o
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,20 @@ def rotation(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     rot = torch.diag(cos.view(d))  # [d, d]
     rot[(torch.arange(d) + d // 2) % d, torch.arange(d)] = sin.view(d)
     return rot
+
+
+def rotary(cos: torch.Tensor, sin: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Rotary embedding at one position for rows qk [n, d], with cos and the signed sin [1, d]:
+    in float32 one product with `rotation(cos, sin)`; in half precision the modules' elementwise
+    kernels in their order (rolling by half a head is `swap_halves`), the same numbers as they
+    give. A half-precision matrix product this small ran at 16 us hot and 33 us in a step; SmolLM2's
+    lone-token step in bfloat16, one process, two threads (Intel Xeon, AMX), 15 interleaved rounds
+    of 4 steps: 22.9 against 23.7 ms. In float32 the product stays the faster (26.7 against 27.0)."""
+    if cos.dtype == torch.float32:
+        rot = rotation(cos, sin)  # [d, d]
+        return lambda qk: qk @ rot
+    half = cos.shape[-1] // 2
+    return lambda qk: qk * cos + qk.roll(half, -1) * sin
 
 
 def row_add_product(residual: torch.Tensor, x: torch.Tensor, weight: RowWeight) -> torch.Tensor:
@@ -148,13 +163,13 @@ class RowPath:
         model = self.model
         h, kvh = model.shards.num_heads, model.shards.num_kv_heads
         d, eps = model.config.head_dim, model.config.rms_norm_eps
-        rot = rotation(cos[0], sin[0])  # [d, d]: this position's rotary, for every layer
+        rotate = rotary(cos[0], sin[0])  # this position's rotary, for every layer
         new = slots.stop - 1  # the new token's slot
         for layer in plan.layers:
             k_pool, v_pool = cache.k[layer.layer_id], cache.v[layer.layer_id]
             qkv = row_product(row_norm(x, layer.input_norm, eps), layer.qkv).view(h + 2 * kvh, d)
             qk, v = qkv.split([h + kvh, kvh])
-            qk = qk @ rot  # rotary, as in Attention: [h + kvh, d]
+            qk = rotate(qk)  # as in Attention: [h + kvh, d]
             q, k = qk.split([h, kvh])
             k_pool[new].copy_(k)
             v_pool[new].copy_(v)

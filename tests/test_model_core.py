@@ -284,8 +284,31 @@ def test_one_decoding_row_runs_off_the_modules_on_packed_weights_too(tmp_path, d
                     logit_rows=layout_.last_rows(),
                 )
             seen[one_row].append(int(logits[one_row][-1].argmax()))
-        # bfloat16 (steps of 0.004 near 1): one row's rotary is one product, rounded once, not twice
+        # bfloat16 (steps of 0.004 near 1): one row's norms round their scale once, in double
         tolerance = 1e-5 if dtype == torch.float32 else 0.03
         torch.testing.assert_close(logits[True], logits[False], atol=tolerance, rtol=0)
         new = [seen[False][-1]]
     assert seen[True] == seen[False]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_one_rows_rotary_gives_the_modules_numbers(tmp_path, dtype):
+    """The row path's rotary (`rows.rotary`) against the modules' `x * cos + swap_halves(x) * sin`
+    at positions 0, 7 and 4000: in half precision the same kernels in the same order, so the same
+    bits (the [d, d] product it replaced rounded each output once instead of three times); in
+    float32 one product, equal to rounding."""
+    from layerline.stage_worker.llama import StageModel, swap_halves
+    from layerline.stage_worker.rows import rotary
+
+    make_tiny_checkpoint("smollm2", tmp_path)
+    config = ModelConfig.from_checkpoint(tmp_path)
+    stage = StageModel(config, LayerRange(0, 1))
+    qk = torch.randn(6, config.head_dim, generator=torch.Generator().manual_seed(3)).to(dtype)
+    for position in (0, 7, 4000):
+        cos, sin = stage.rope(torch.tensor([position]), dtype)
+        want = qk * cos[0] + swap_halves(qk) * sin[0]
+        got = rotary(cos[0], sin[0])(qk)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+        else:
+            assert torch.equal(got, want), (position, (got.float() - want.float()).abs().max())
