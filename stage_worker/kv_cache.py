@@ -81,7 +81,9 @@ class StepLayout:
     write_slots: torch.Tensor  # [T] cache slot each new token's K and V are written to
     decode_rows: torch.Tensor  # [D] rows of single-token sequences, batched together
     decode_blocks: torch.Tensor  # [D, Bmax] their block tables, padded (whole blocks are gathered)
-    decode_mask: torch.Tensor  # [D, 1, 1, Bmax * block_size] bool, True for the positions they hold
+    # [D, 1, 1, Bmax * block_size] in the pools' dtype, added to the scores: 0 for the positions
+    # they hold, -inf for the rest of their blocks
+    decode_mask: torch.Tensor
     prefills: tuple[PrefillSpan, ...]  # every other sequence, one attention call each
     # A step of one decoding sequence whose blocks are consecutive in the pool (as a sequence's
     # blocks are, taken from a pool nobody fragmented): its context is the slots [start, stop),
@@ -115,6 +117,7 @@ class PagedKVCache:
         device: torch.device | str = "cpu",
     ) -> None:
         self.shape = shape
+        self.dtype = dtype
         self.device = torch.device(device)
         slots = shape.num_blocks * shape.block_size
         # Per layer: [num_blocks * block_size, num_kv_heads, head_dim], one row per token slot.
@@ -256,7 +259,11 @@ class PagedKVCache:
         for i, t in enumerate(decode_tables):
             padded[i, : len(t)] = torch.tensor(t, dtype=torch.long)
         lens = torch.tensor(decode_lens, dtype=torch.long)
-        mask = (torch.arange(width * block) < lens[:, None])[:, None, None, :]  # [D, 1, 1, L]
+        held = torch.arange(width * block) < lens[:, None]  # [D, L]
+        # Additive, once a step: given the booleans, torch's attention made this at every layer
+        # (32 sequences, SmolLM2, two threads: a step 56.0 against 56.9 ms in bfloat16, 94.8
+        # against 95.7 in float32, the same logits).
+        mask = torch.zeros(held.shape, dtype=self.dtype).masked_fill_(~held, float("-inf"))[:, None, None, :]
         alone = len(decode_tables) == 1 and not prefills
         return StepLayout(
             seq_lens=tuple(seq_lens),

@@ -174,7 +174,8 @@ class Attention(nn.Module):
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None) -> torch.Tensor:
     """Attention of one new token per sequence: q [D, h, d] over k, v [D, kvh, L, d] (any strides)
-    under `mask` [D, 1, 1, L] (True where a key is held; None: all are). Returns [D, h * d].
+    under `mask` [D, 1, 1, L] (added to the scores: 0 where a key is held, -inf where not; None:
+    all are held). Returns [D, h * d].
 
     The query heads that share a key/value head (h / kvh of them, consecutive) go in as that
     head's query positions, so that the kernel sees no grouped-query attention: with one query

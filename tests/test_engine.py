@@ -287,6 +287,22 @@ def test_a_lone_decoding_sequence_reads_its_kv_as_one_run_of_slots():
     assert cache.plan_step(["a"], [2]).decode_slots is None  # more than one token: a prefill span
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_batch_of_decoding_sequences_masks_the_rest_of_their_blocks(dtype):
+    """`StepLayout.decode_mask` is added to the attention scores: 0 for each held position, -inf
+    for the rest of the gathered blocks, in the pools' dtype (made once a step, not per layer)."""
+    cache = PagedKVCache(CacheShape(8, 4, 1, 2), layer_ids=range(1), dtype=dtype)
+    for sequence_id, tokens in (("a", 2), ("b", 6)):
+        cache.reserve(sequence_id, tokens)
+        cache.plan_step([sequence_id], [tokens])
+    cache.reserve("a", 1)
+    cache.reserve("b", 1)
+    mask = cache.plan_step(["a", "b"], [1, 1]).decode_mask
+    assert mask.dtype == dtype and mask.shape == (2, 1, 1, 8)
+    held = [[0.0] * 3 + [float("-inf")] * 5, [0.0] * 7 + [float("-inf")]]
+    assert mask[:, 0, 0].tolist() == held
+
+
 def test_the_pool_hands_out_consecutive_blocks_where_it_can():
     """Blocks follow a sequence's last one where free, else the first free run long enough, else
     the lowest free ones: sequences that came and went leave the next one a run of blocks."""
