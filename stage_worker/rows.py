@@ -45,15 +45,18 @@ def row_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     runs of 12 interleaved rounds: 27.4 against 28.2 ms.
 
     In half precision the row is normalized in float32, cast, then scaled, the order `rms_norm`
-    and transformers use."""
+    and transformers use: multiplying the half-precision row by the scale computes in float32 and
+    rounds once, the numbers of a float32 copy scaled and cast, one kernel fewer (a bfloat16 step,
+    one process, two threads, Intel Xeon with AMX, two runs of 12 interleaved rounds: 18.9 and
+    21.4 against 19.5 and 21.7 ms, the same logits)."""
     if x.dtype == torch.float32 == weight.dtype:
         mean_square = float(torch.dot(x[0], x[0])) / x.shape[1]
         return torch.mul(x, weight).mul_(1.0 / math.sqrt(mean_square + eps))
     if x.dtype != weight.dtype:
         return rms_norm(x, weight, eps)
-    wide = x.float()
-    mean_square = float(torch.dot(wide[0], wide[0])) / x.shape[1]
-    return weight * wide.mul_(1.0 / math.sqrt(mean_square + eps)).to(x.dtype)
+    wide = x[0].float()
+    mean_square = float(torch.dot(wide, wide)) / x.shape[1]
+    return weight * torch.mul(x, 1.0 / math.sqrt(mean_square + eps))
 
 
 def rotation(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -86,7 +89,7 @@ def row_add_product(residual: torch.Tensor, x: torch.Tensor, weight: RowWeight) 
     weight has no bias (the product adds onto the residual), else as `residual + row_product`."""
     w, b = weight
     if b is not None or w.is_mkldnn:
-        return residual + row_product(x, weight)
+        return row_product(x, weight).add_(residual)
     if w.dim() == 2:  # [in, out]
         return torch.addmm(residual, x, w)
     blocks = w.shape[0]  # [blocks, in, out / blocks]: the residual's columns block after block
@@ -177,7 +180,7 @@ class RowPath:
             values = v_pool[slots].transpose(0, 1).unsqueeze(0)
             x = row_add_product(x, decode_attention(q.view(1, h, d), keys, values, mask=None), layer.o)
             gate, up = row_product(row_norm(x, layer.post_attention_norm, eps), layer.gate_up).chunk(2, dim=-1)
-            x = row_add_product(x, F.silu(gate) * up, layer.down)
+            x = row_add_product(x, F.silu(gate).mul_(up), layer.down)
         if plan.head is None:
             return x
         assert plan.norm is not None  # the last stage holds both
