@@ -126,6 +126,10 @@ class PagedKVCache:
             for i in layer_ids
         }
         self.v = {i: torch.zeros_like(t) for i, t in self.k.items()}
+        # The same pools as [1, kvh, slots, d] views: a run of a sequence's slots is one slice of
+        # them, as attention takes its keys and values (rows.py).
+        self.k_heads = {i: t.transpose(0, 1).unsqueeze(0) for i, t in self.k.items()}
+        self.v_heads = {i: t.transpose(0, 1).unsqueeze(0) for i, t in self.v.items()}
         self._free: list[int] = list(range(shape.num_blocks))  # sorted: see `_take`
         self._tables: dict[str, list[int]] = {}
         self._lengths: dict[str, int] = {}
