@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -89,6 +89,8 @@ class StepLayout:
     # blocks are, taken from a pool nobody fragmented): its context is the slots [start, stop),
     # read as a view of the pool, without a gather and without a mask. None otherwise.
     decode_slots: slice | None = None
+    # What the model derives from this layout once and reuses at every layer (paged_attention.py)
+    memo: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_tokens(self) -> int:

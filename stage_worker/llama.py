@@ -27,6 +27,7 @@ from torch import nn
 from layerline.shared.model_config import LayerRange, ModelConfig, RopeConfig
 
 from .kv_cache import PagedKVCache, StepLayout
+from .paged_attention import paged_decode_attention
 from .parallel import SINGLE_RANK, TensorParallel
 from .sharding import Shards, shards_for
 
@@ -133,15 +134,10 @@ class Attention(nn.Module):
             od = decode_attention(q, kd, vd, mask=None)  # [1, h * d]
             return self.tp.all_reduce(self.o_proj(od))
         if layout.decode_only:  # the common batched-decode step: no row shuffling
-            kd = _gather_blocks(k_pool, layout.decode_blocks, layout.block_size)  # [T, kvh, L, d]
-            vd = _gather_blocks(v_pool, layout.decode_blocks, layout.block_size)
-            od = decode_attention(q, kd, vd, mask=layout.decode_mask)  # [T, h * d]
-            return self.tp.all_reduce(self.o_proj(od))
+            return self.tp.all_reduce(self.o_proj(batch_decode_attention(q, k_pool, v_pool, layout=layout)))
         out = torch.empty_like(q)  # [T, h, d]
         if layout.decode_rows.numel():
-            kd = _gather_blocks(k_pool, layout.decode_blocks, layout.block_size)  # [D, kvh, L, d]
-            vd = _gather_blocks(v_pool, layout.decode_blocks, layout.block_size)
-            od = decode_attention(q[layout.decode_rows], kd, vd, mask=layout.decode_mask)  # [D, h * d]
+            od = batch_decode_attention(q[layout.decode_rows], k_pool, v_pool, layout=layout)  # [D, h * d]
             out[layout.decode_rows] = od.view(-1, h, self.head_dim)
         for span in layout.prefills:
             qp = q[span.rows].transpose(0, 1).unsqueeze(0)  # [1, h, n, d]
@@ -186,6 +182,19 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask:
     kvh = k.shape[1]
     out = F.scaled_dot_product_attention(q.view(n, kvh, h // kvh, d), k, v, attn_mask=mask)  # [D, kvh, h / kvh, d]
     return out.reshape(n, h * d)
+
+
+def batch_decode_attention(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, *, layout: StepLayout
+) -> torch.Tensor:
+    """Attention of `layout`'s decode batch, q [D, h, d], over the [slots, kvh, d] pools: [D, h * d].
+    In float32 on CPU straight off the pools (paged_attention.py); elsewhere each sequence's
+    blocks are gathered for torch's kernel."""
+    if k_pool.device.type == "cpu" and k_pool.dtype == torch.float32:
+        return paged_decode_attention(q, k_pool, v_pool, layout=layout)
+    kd = _gather_blocks(k_pool, layout.decode_blocks, layout.block_size)  # [D, kvh, L, d]
+    vd = _gather_blocks(v_pool, layout.decode_blocks, layout.block_size)
+    return decode_attention(q, kd, vd, mask=layout.decode_mask)
 
 
 def _gather_blocks(pool: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:

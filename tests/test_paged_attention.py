@@ -1,0 +1,86 @@
+"""A decode batch's attention straight off the paged KV pools gives the numbers of the gather and
+torch's kernel, whatever the pools hold outside each sequence's positions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from layerline.stage_worker.kv_cache import CacheShape, PagedKVCache, StepLayout
+from layerline.stage_worker.llama import _gather_blocks, batch_decode_attention, decode_attention
+from layerline.stage_worker.paged_attention import bag_indices, paged_decode_attention
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def scattered_batch(lengths: list[int], *, kv_heads: int, block_size: int = 4) -> tuple[PagedKVCache, StepLayout]:
+    """A pool whose sequences' blocks interleave (they grew a token at a time, side by side),
+    every slot random, then one decode step of each: its layout."""
+    cache = PagedKVCache(CacheShape(64, block_size, kv_heads, 8), layer_ids=range(1), dtype=torch.float32)
+    names = [f"s{i}" for i in range(len(lengths))]
+    for name in names:
+        cache.reserve(name, 1)
+    cache.plan_step(names, [1] * len(names))
+    for step in range(1, max(lengths)):
+        growing = [n for n, length in zip(names, lengths, strict=True) if length > step]
+        for name in growing:
+            cache.reserve(name, 1)
+        cache.plan_step(growing, [1] * len(growing))
+    generator = torch.Generator().manual_seed(0)
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=generator))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=generator))
+    for name in names:
+        cache.reserve(name, 1)
+    return cache, cache.plan_step(names, [1] * len(names))
+
+
+def gathered(q: torch.Tensor, cache: PagedKVCache, layout: StepLayout) -> torch.Tensor:
+    k = _gather_blocks(cache.k[0], layout.decode_blocks, layout.block_size)
+    v = _gather_blocks(cache.v[0], layout.decode_blocks, layout.block_size)
+    return decode_attention(q, k, v, mask=layout.decode_mask)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 4), (6, 1)])
+def test_a_decode_batch_off_the_pools_equals_the_gather_and_torchs_kernel(heads, kv_heads):
+    lengths = [3, 9, 1, 14, 6]
+    cache, layout = scattered_batch(lengths, kv_heads=kv_heads)
+    assert layout.decode_blocks.shape == (5, 4)  # padded to the longest, 15 tokens
+    blocks = layout.decode_blocks.flatten().tolist()
+    assert blocks != sorted(blocks)  # the sequences' blocks interleave in the pool
+    q = torch.randn(len(lengths), heads, 8, generator=torch.Generator().manual_seed(1))
+    out = paged_decode_attention(q, cache.k[0], cache.v[0], layout=layout)
+    assert out.shape == (5, heads * 8)
+    torch.testing.assert_close(out, gathered(q, cache, layout), rtol=1e-5, atol=1e-6)
+    # The bags' indices are made once a step and kept for every later layer.
+    assert bag_indices(layout, heads=heads, kv_heads=kv_heads) is bag_indices(layout, heads=heads, kv_heads=kv_heads)
+
+
+def test_positions_a_sequence_does_not_hold_weigh_nothing():
+    """What sits in a sequence's blocks beyond its length (another's stale KV, huge values) never
+    reaches its output."""
+    cache, layout = scattered_batch([2, 13], kv_heads=3)
+    q = torch.randn(2, 9, 8, generator=torch.Generator().manual_seed(2))
+    before = paged_decode_attention(q, cache.k[0], cache.v[0], layout=layout)
+    held = torch.zeros(cache.k[0].shape[0], dtype=torch.bool)
+    for row, length in enumerate((3, 14)):  # the positions each holds after this step's write
+        slots = (layout.decode_blocks[row][:, None] * layout.block_size + torch.arange(layout.block_size)).flatten()
+        held[slots[:length]] = True
+    cache.k[0][~held] = 1e30
+    cache.v[0][~held] = -1e30
+    after = paged_decode_attention(q, cache.k[0], cache.v[0], layout=layout)
+    assert torch.equal(before, after)
+
+
+def test_only_float32_on_the_cpu_takes_the_pools_path(monkeypatch):
+    """Half precision keeps the gather and torch's kernel (its accumulation is the kernel's)."""
+    taken: list[torch.dtype] = []
+    monkeypatch.setattr(
+        "layerline.stage_worker.llama.paged_decode_attention",
+        lambda q, k, v, *, layout: taken.append(k.dtype) or paged_decode_attention(q, k, v, layout=layout),
+    )
+    cache, layout = scattered_batch([4, 7], kv_heads=3)
+    q = torch.randn(2, 9, 8)
+    batch_decode_attention(q, cache.k[0], cache.v[0], layout=layout)
+    half = cache.k[0].to(torch.bfloat16), cache.v[0].to(torch.bfloat16)
+    out = batch_decode_attention(q.to(torch.bfloat16), *half, layout=layout)
+    assert taken == [torch.float32] and out.dtype == torch.bfloat16
