@@ -192,6 +192,13 @@ def batch_decode_attention(
     blocks are gathered for torch's kernel."""
     if k_pool.device.type == "cpu" and k_pool.dtype == torch.float32:
         return paged_decode_attention(q, k_pool, v_pool, layout=layout)
+    return gathered_decode_attention(q, k_pool, v_pool, layout=layout)
+
+
+def gathered_decode_attention(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, *, layout: StepLayout
+) -> torch.Tensor:
+    """The same attention with each sequence's whole blocks gathered for torch's kernel: [D, h * d]."""
     kd = _gather_blocks(k_pool, layout.decode_blocks, layout.block_size)  # [D, kvh, L, d]
     vd = _gather_blocks(v_pool, layout.decode_blocks, layout.block_size)
     return decode_attention(q, kd, vd, mask=layout.decode_mask)

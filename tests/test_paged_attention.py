@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from layerline.stage_worker.kv_cache import CacheShape, PagedKVCache, StepLayout
-from layerline.stage_worker.llama import _gather_blocks, batch_decode_attention, decode_attention
+from layerline.stage_worker.llama import batch_decode_attention, gathered_decode_attention
 from layerline.stage_worker.paged_attention import bag_indices, paged_decode_attention
 
 pytestmark = pytest.mark.timeout(60)
@@ -34,12 +34,6 @@ def scattered_batch(lengths: list[int], *, kv_heads: int, block_size: int = 4) -
     return cache, cache.plan_step(names, [1] * len(names))
 
 
-def gathered(q: torch.Tensor, cache: PagedKVCache, layout: StepLayout) -> torch.Tensor:
-    k = _gather_blocks(cache.k[0], layout.decode_blocks, layout.block_size)
-    v = _gather_blocks(cache.v[0], layout.decode_blocks, layout.block_size)
-    return decode_attention(q, k, v, mask=layout.decode_mask)
-
-
 @pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 4), (6, 1)])
 def test_a_decode_batch_off_the_pools_equals_the_gather_and_torchs_kernel(heads, kv_heads):
     lengths = [3, 9, 1, 14, 6]
@@ -50,7 +44,8 @@ def test_a_decode_batch_off_the_pools_equals_the_gather_and_torchs_kernel(heads,
     q = torch.randn(len(lengths), heads, 8, generator=torch.Generator().manual_seed(1))
     out = paged_decode_attention(q, cache.k[0], cache.v[0], layout=layout)
     assert out.shape == (5, heads * 8)
-    torch.testing.assert_close(out, gathered(q, cache, layout), rtol=1e-5, atol=1e-6)
+    reference = gathered_decode_attention(q, cache.k[0], cache.v[0], layout=layout)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-6)
     # The bags' indices are made once a step and kept for every later layer.
     assert bag_indices(layout, heads=heads, kv_heads=kv_heads) is bag_indices(layout, heads=heads, kv_heads=kv_heads)
 
