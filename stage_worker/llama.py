@@ -71,8 +71,12 @@ class StepThreads:
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """[head_dim / 2] float32 inverse frequencies, with linear or Llama 3 scaling applied."""
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    """[head_dim / 2] float32 inverse frequencies, with linear or Llama 3 scaling applied.
+
+    Always on the CPU, even under `torch.device("meta")`: meta arithmetic runs torch's Python
+    reference kernels, whose first use imports torch._dynamo (over a second of a worker's start)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":

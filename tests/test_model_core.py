@@ -312,3 +312,22 @@ def test_one_rows_rotary_gives_the_modules_numbers(tmp_path, dtype):
             torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
         else:
             assert torch.equal(got, want), (position, (got.float() - want.float()).abs().max())
+
+
+def test_loading_a_stage_does_not_import_torch_dynamo(tmp_path):
+    """A stage is built on the meta device, where arithmetic runs torch's Python reference
+    kernels; their first use imports torch._dynamo, over a second of every worker's start. The
+    rotary frequencies (Llama 3 scaling: the most arithmetic) are computed on the CPU instead."""
+    import subprocess
+    import sys
+
+    make_tiny_checkpoint("llama3", tmp_path)
+    script = (
+        "import sys\n"
+        "from layerline.shared.model_config import LayerRange\n"
+        "from layerline.stage_worker.weights import load_stage\n"
+        f"load_stage({str(tmp_path)!r}, LayerRange(0, 2))\n"
+        "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout[-2000:]
