@@ -34,8 +34,9 @@ def hf_real(real_model_dir: Path):
 def hf_greedy(hf_real):
     """greedy(prompt text or ids, n) -> the n token ids transformers' `generate` picks.
 
-    Remembered for the session: greedy decoding with no end token computes each token from the
-    ones before it alone, so a prompt's first n tokens are those of any longer run of it."""
+    Remembered for the session: greedy decoding computes each token from the ones before it
+    alone, so a prompt's first n tokens are those of any longer run of it (a run that stopped at
+    the end token, shorter than asked, is generated again when as many or more are asked)."""
     import torch
 
     tok, model = hf_real
