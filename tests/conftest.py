@@ -44,10 +44,11 @@ def hf_greedy(hf_real):
 
     def greedy(prompt: str | list[int], n: int) -> list[int]:
         ids = tok(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
-        if len(seen.get(tuple(ids), ())) < n:
+        key = tuple(ids)
+        if len(seen.get(key, ())) < n:
             with torch.no_grad():
                 out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=2)
-            seen[tuple(ids)] = out[0, len(ids) :].tolist()
-        return seen[tuple(ids)][:n]
+            seen[key] = out[0, len(ids) :].tolist()
+        return seen[key][:n]
 
     return greedy
