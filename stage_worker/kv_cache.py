@@ -85,6 +85,9 @@ class StepLayout:
     # they hold, -inf for the rest of their blocks
     decode_mask: torch.Tensor
     prefills: tuple[PrefillSpan, ...]  # every other sequence, one attention call each
+    # The longest context of the decode batch after this step's write: no decode row attends past
+    # it, so attention straight off the pools reads no further than it (paged_attention.py)
+    decode_length: int = 0
     # A step of one decoding sequence whose blocks are consecutive in the pool (as a sequence's
     # blocks are, taken from a pool nobody fragmented): its context is the slots [start, stop),
     # read as a view of the pool, without a gather and without a mask. None otherwise.
@@ -280,6 +283,7 @@ class PagedKVCache:
             decode_blocks=padded.to(self.device),
             decode_mask=mask.to(self.device),
             prefills=tuple(prefills),
+            decode_length=max(decode_lens, default=0),
             decode_slots=_consecutive(decode_tables[0], block, decode_lens[0]) if alone else None,
         )
 

@@ -3,6 +3,8 @@ torch's kernel, whatever the pools hold outside each sequence's positions."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -46,6 +48,12 @@ def test_a_decode_batch_off_the_pools_equals_the_gather_and_torchs_kernel(heads,
     assert out.shape == (5, heads * 8)
     reference = gathered_decode_attention(q, cache.k[0], cache.v[0], layout=layout)
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-6)
+    # It reads each sequence up to the batch's longest context, 15, not to its blocks' end, 16:
+    # reading the masked 16th changes only the rounding of the softmax's vectorized sums.
+    assert layout.decode_length == 15 and bag_indices(layout, heads=heads, kv_heads=kv_heads).length == 15
+    whole_blocks = dataclasses.replace(layout, decode_length=16, memo={})
+    padded = paged_decode_attention(q, cache.k[0], cache.v[0], layout=whole_blocks)
+    torch.testing.assert_close(out, padded, rtol=1e-6, atol=1e-7)
     # The bags' indices are made once a step and kept for every later layer.
     assert bag_indices(layout, heads=heads, kv_heads=kv_heads) is bag_indices(layout, heads=heads, kv_heads=kv_heads)
 
