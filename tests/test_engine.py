@@ -181,18 +181,21 @@ def test_a_step_alone_on_its_chain_takes_the_prefill_threads(ckpt):
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 32])
-def test_greedy_picks_what_argmax_picks_among_ties_infinities_and_nan(rows):
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 49152), (3, 49152), (8, 49152), (32, 49152), (9, 32000), (8, 49157)])
+def test_greedy_picks_what_argmax_picks_among_ties_infinities_and_nan(rows, vocab):
+    """From 8 rows on, 49152 and 32000 logits are reduced in slices of 1024 and 1000 first; 49157
+    has no such divisor and is reduced whole, as fewer rows are."""
     gen = torch.Generator().manual_seed(rows)
     for trial in range(20):
-        logits = torch.randint(-2, 3, (rows, 49152), generator=gen).float()  # ties everywhere, far apart too
+        logits = torch.randint(-2, 3, (rows, vocab), generator=gen).float()  # ties everywhere, far apart too
         if trial % 4 == 1:
-            logits[0, torch.randint(0, 49152, (2,), generator=gen)] = float("nan")
+            logits[0, torch.randint(0, vocab, (2,), generator=gen)] = float("nan")
         if trial % 4 == 2:
             logits[-1] = float("-inf")
         if trial % 4 == 3:
-            logits[0, [40000, 5]] = float("inf")
+            logits[0, [vocab - 9152, 5]] = float("inf")
         assert greedy(logits) == logits.argmax(-1).tolist()
+        assert greedy(logits[:, :-1]) == logits[:, :-1].argmax(-1).tolist()  # a view, rows not contiguous
 
 
 def test_greedy_and_top_k_one_agree_and_seeds_reproduce():
