@@ -87,7 +87,7 @@ class StepLayout:
     prefills: tuple[PrefillSpan, ...]  # every other sequence, one attention call each
     # The longest context of the decode batch after this step's write: no decode row attends past
     # it, so attention straight off the pools reads no further than it (paged_attention.py)
-    decode_length: int = 0
+    decode_length: int
     # A step of one decoding sequence whose blocks are consecutive in the pool (as a sequence's
     # blocks are, taken from a pool nobody fragmented): its context is the slots [start, stop),
     # read as a view of the pool, without a gather and without a mask. None otherwise.

@@ -19,6 +19,8 @@ import torch
 
 from layerline.shared.sampling import SamplingParams
 
+TWO_ROUNDS_FROM = 8  # rows from which `greedy` reduces in two rounds
+
 
 @dataclass(frozen=True)
 class Draw:
@@ -71,9 +73,6 @@ def sample(
     return draws
 
 
-TWO_ROUNDS_FROM = 8  # rows; see `greedy`
-
-
 def greedy(logits: torch.Tensor) -> list[int]:
     """Each row's token of highest logit [B, vocab] -> B ids: `torch.argmax`'s answer (the first
     of equal maxima, a NaN where one is).
@@ -91,7 +90,7 @@ def greedy(logits: torch.Tensor) -> list[int]:
         return logits.max(-1).indices.tolist()
     slices = logits.unflatten(-1, (vocab // chunk, chunk))  # [B, S, chunk], a view
     first = slices.amax(-1).max(-1).indices  # [B]: the first slice holding each row's maximum (or a NaN)
-    within = slices[torch.arange(rows), first].max(-1).indices  # [B]
+    within = slices[torch.arange(rows, device=logits.device), first].max(-1).indices  # [B]
     return (first * chunk + within).tolist()
 
 
