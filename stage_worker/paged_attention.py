@@ -41,8 +41,7 @@ class BagIndices:
     key_rows: torch.Tensor  # [D * kvh * L]: (sequence, kv head, position) -> pool row
     value_rows: torch.Tensor  # [D * h * L]: (sequence, query head, position) -> pool row of its kv head
     offsets: torch.Tensor  # [D * h]: where each (sequence, query head)'s bag starts in value_rows
-    length: int  # L: the positions read per sequence, the batch's longest context
-    mask: torch.Tensor  # [D, 1, 1, L]: the layout's additive mask over those positions
+    mask: torch.Tensor  # [D, 1, 1, L]: the layout's additive mask up to L, the batch's longest context
 
 
 def bag_indices(layout: StepLayout, *, heads: int, kv_heads: int) -> BagIndices:
@@ -63,7 +62,6 @@ def bag_indices(layout: StepLayout, *, heads: int, kv_heads: int) -> BagIndices:
             key_rows=(slots * kv_heads + torch.arange(kv_heads, device=blocks.device)[:, None]).flatten(),
             value_rows=(slots * kv_heads + kv_of_head[:, None]).flatten(),
             offsets=torch.arange(n * heads, device=blocks.device) * length,
-            length=length,
             mask=layout.decode_mask[..., :length].contiguous(),
         )
         layout.memo[key] = found
@@ -79,7 +77,7 @@ def paged_decode_attention(
     n, h, d = q.shape
     kvh = k_pool.shape[1]
     bags = bag_indices(layout, heads=h, kv_heads=kvh)
-    length = bags.length
+    length = bags.mask.shape[-1]
     keys = k_pool.view(-1, d).index_select(0, bags.key_rows).view(n * kvh, length, d)
     scores = torch.bmm(q.reshape(n * kvh, h // kvh, d), keys.transpose(1, 2))  # [D * kvh, h / kvh, L]
     scores = scores.view(n, kvh, h // kvh, length).mul_(d**-0.5).add_(bags.mask)

@@ -50,7 +50,7 @@ def test_a_decode_batch_off_the_pools_equals_the_gather_and_torchs_kernel(heads,
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-6)
     # It reads each sequence up to the batch's longest context, 15, not to its blocks' end, 16:
     # reading the masked 16th changes only the rounding of the softmax's vectorized sums.
-    assert layout.decode_length == 15 and bag_indices(layout, heads=heads, kv_heads=kv_heads).length == 15
+    assert layout.decode_length == 15 and bag_indices(layout, heads=heads, kv_heads=kv_heads).mask.shape[-1] == 15
     whole_blocks = dataclasses.replace(layout, decode_length=16, memo={})
     padded = paged_decode_attention(q, cache.k[0], cache.v[0], layout=whole_blocks)
     torch.testing.assert_close(out, padded, rtol=1e-6, atol=1e-7)
