@@ -6,15 +6,16 @@ process; a 1-stage, a 2-stage and a 1-stage tensor-parallel (tp 3) local cluster
 as real processes, measured through the client SDK; the 2-stage one also through its
 OpenAI-compatible HTTP API with the official `openai` client (openai_streams.py), a single stream
 and 16 at once beside the same through the SDK. Only one thing computes at a time, and the
-measurements are interleaved in rounds (baseline, 1 stage, 2 stages, again ...) with the median
-of each kept, so that the drift of a shared machine touches both sides of every ratio alike.
+measurements are interleaved in rounds (baseline, 1 stage, 2 stages, then the other way round
+...; rounds.py) with the median of each kept, so that the drift of a shared machine touches both
+sides of every ratio alike; the budgeted ratios are also given round by round.
 A single stream's time between tokens is also split into its chain's compute, as the stages count
 it (asked of each stage after the first token and after the last), and the rest: what a hop adds
 in messages and what it adds in slower compute. Last, `hop_floor` measures the same extra hop
 through a bare gRPC relay of the model's matmuls (see hop_floor.py): what this machine charges
 for a hop before any of layerline's own work. Beside transformers' batch of 32, in the same
 rounds, `BatchFloor` times the model's matrix products alone at 32 rows (batch_floor.py): the
-floor under the 32-stream figures. transformers is needed here only, as the baseline.
+floor under the 32-stream figures. transformers is needed here only, as the baseline (baseline.py).
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ from typing import Any
 
 import grpc
 
+from layerline.bench.baseline import Baseline, Seconds
 from layerline.bench.batch_floor import BatchFloor
 from layerline.bench.hop_floor import HopFloor, measure_hop_floor
 from layerline.bench.openai_streams import check_http_is_grpc, http_aggregate, http_single
+from layerline.bench.rounds import describe, interleaved, paired
 from layerline.bench.stream import Stream
 from layerline.client import AsyncClient, Client
 from layerline.launcher import ClusterPlan, LocalCluster
@@ -57,13 +60,18 @@ BUDGETS = {  # ratio name -> the least it may be (DESIGN.md, performance budgets
     "http_vs_grpc_single_stream": 0.95,
     "http_vs_grpc_16_streams": 0.95,
 }
+# The budgeted ratios of two figures measured in the same rounds: (singles or aggregates, numerator, denominator).
+PAIRS = {
+    "single_stream_1_stage_vs_transformers": ("single", "1_stage", "transformers"),
+    "single_stream_2_stages_vs_1_stage": ("single", "2_stages", "1_stage"),
+    "concurrent_32_vs_transformers_batch_32": ("aggregate", "2_stages_x32", "transformers_batch_32"),
+    "concurrent_32_2_stages_vs_1_stage": ("aggregate", "2_stages_x32", "1_stage_x32"),
+    "http_vs_grpc_single_stream": ("single", "2_stages_http", "2_stages"),
+    "http_vs_grpc_16_streams": ("aggregate", "2_stages_x16_http", "2_stages_x16"),
+}
 MAX_HOP_VS_RELAY = 1.5  # an extra hop may add at most this many times the bare relay's time
 TLS_RATIO = "single_stream_2_stages_tls_vs_plaintext"  # with --tls: TLS everywhere against plaintext
 MIN_TLS_RATIO = 0.95
-
-
-class Seconds(float):
-    """A measured time (shown in ms in the round logs)."""
 
 
 @dataclass
@@ -79,49 +87,13 @@ class BenchResult:
     long_prompt_tokens: int = 0
     weights_bytes_per_rank: dict[str, int] = field(default_factory=dict)  # largest rank of each cluster
     hop_floor: dict[str, object] = field(default_factory=dict)  # the bare relay's figures (HopFloor)
-    ratios: dict[str, float] = field(default_factory=dict)
+    ratios: dict[str, float] = field(default_factory=dict)  # of the medians
+    paired_ratios: dict[str, list[float]] = field(default_factory=dict)  # PAIRS' ratios within each round
     within_budget: dict[str, bool] = field(default_factory=dict)
 
 
 def _log(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
-
-
-class Baseline:
-    """transformers' generate on the same checkpoint, dtype and threads."""
-
-    def __init__(self, checkpoint: Path, *, dtype: str, threads: int) -> None:
-        try:
-            import torch
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-        except ImportError as err:
-            raise RuntimeError(f"the baseline needs transformers ({err}): pip install 'layerline[test]'") from None
-        self.torch = torch
-        torch.set_num_threads(threads)
-        tok = AutoTokenizer.from_pretrained(checkpoint)
-        self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype)).eval()
-        self.model.generation_config.eos_token_id = None  # exactly the tokens asked for
-        self.ids = torch.tensor([tok(PROMPT)["input_ids"]])
-        self.long_ids = torch.tensor([tok(LONG_PROMPT)["input_ids"]])
-        self._generate(self.ids, 4)  # warm up
-
-    def _generate(self, ids, n: int) -> float:
-        with self.torch.no_grad():
-            start = time.perf_counter()
-            self.model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=2)
-            return time.perf_counter() - start
-
-    def single(self, n: int) -> Stream:
-        ttft = self._generate(self.ids, 1)
-        total = self._generate(self.ids, n)
-        per_token = max(total - ttft, 1e-9) / (n - 1)
-        return Stream(ttft, 1 / per_token, 1000 * per_token)
-
-    def batch(self, size: int, n: int) -> float:
-        return size * n / self._generate(self.ids.repeat(size, 1), n)
-
-    def long_ttft(self) -> Seconds:
-        return Seconds(self._generate(self.long_ids, 1))
 
 
 def measured_cluster(
@@ -213,12 +185,7 @@ def _median_stream(samples: list[Stream]) -> Stream:
 
 
 def _rounds(rounds: int, runs: dict[str, Callable[[], object]]) -> dict[str, list]:
-    samples: dict[str, list] = {name: [] for name in runs}
-    for r in range(rounds):
-        for name, run in runs.items():
-            samples[name].append(run())
-        _log(f"round {r + 1}/{rounds}: " + ", ".join(f"{k} {_show(v[-1])}" for k, v in samples.items()))
-    return samples
+    return interleaved(rounds, runs, show=_show, log=_log)
 
 
 def _show(value: object) -> str:
@@ -259,7 +226,7 @@ def run_bench(
     threads = os.cpu_count() or 1
     result = BenchResult(model=checkpoint.name, dtype=dtype, threads=threads, new_tokens=new_tokens, rounds=rounds)
     _log(f"loading the transformers baseline ({dtype}, {threads} threads) ...")
-    baseline = Baseline(checkpoint, dtype=dtype, threads=threads)
+    baseline = Baseline(checkpoint, dtype=dtype, threads=threads, prompt=PROMPT, long_prompt=LONG_PROMPT)
     _log("building the model's products at 32 rows (the floor under 32 streams) ...")
     config = ModelConfig.from_checkpoint(checkpoint)
     floor32 = BatchFloor(config, rows=32, dtype=dtype)
@@ -346,6 +313,18 @@ def run_bench(
         log=_log,
     )
     result.hop_floor = asdict(floor)
+    _judge(result, floor, singles=singles, aggregates=aggregates, tls=tls)
+    text = json.dumps(asdict(result), indent=2)
+    if json_path is not None:
+        json_path.write_text(text + "\n")
+    print(text)
+    return result
+
+
+def _judge(
+    result: BenchResult, floor: HopFloor, *, singles: dict[str, list], aggregates: dict[str, list], tls: bool
+) -> None:
+    """The run's ratios (of medians, and within each round for PAIRS) and whether each is within budget."""
     s = {k: v.decode_tokens_per_s for k, v in result.single_stream.items()}
     a = result.aggregate_tokens_per_s
     result.ratios = {
@@ -383,6 +362,10 @@ def run_bench(
         "long_prompt_ttft_2_stages_vs_transformers": result.long_prompt_ttft_s["transformers"]
         / result.long_prompt_ttft_s["2_stages"],
     }
+    samples = {"single": {k: [v.decode_tokens_per_s for v in vs] for k, vs in singles.items()}, "aggregate": aggregates}
+    result.paired_ratios = {name: paired(samples[kind][a], samples[kind][b]) for name, (kind, a, b) in PAIRS.items()}
+    for name, within in result.paired_ratios.items():
+        _log(f"{name}, round by round: {describe(within)}")
     if tls:
         result.ratios[TLS_RATIO] = s["2_stages_tls"] / s["2_stages"]
     budgets = {**BUDGETS, TLS_RATIO: MIN_TLS_RATIO} if tls else BUDGETS
@@ -391,8 +374,3 @@ def run_bench(
         result.ratios["added_ms_per_extra_hop_per_token"]
         <= MAX_HOP_VS_RELAY * result.ratios["added_ms_per_extra_hop_per_token_bare_relay"]
     )
-    text = json.dumps(asdict(result), indent=2)
-    if json_path is not None:
-        json_path.write_text(text + "\n")
-    print(text)
-    return result
