@@ -135,7 +135,15 @@ class StageWorker:
         else:
             master = f"127.0.0.1:{free_port()}"
             self.followers = tp_group.spawn_followers(to_json(s), size=s.tp, master=master)
-            tp = tp_group.join_group(rank=0, size=s.tp, master=master, timeout_s=s.tp_timeout, device=s.device)
+            followers = self.followers
+            tp = tp_group.join_group(
+                rank=0,
+                size=s.tp,
+                master=master,
+                timeout_s=s.tp_timeout,
+                device=s.device,
+                gone=lambda: tp_group.gone(followers),
+            )
             engine = LeadingEngine(self.build_engine(tp), tp.group)  # type: ignore[assignment]  # its proxy
         held = {id(t): t for t in engine.model.state_dict(keep_vars=True).values()}  # parameters, packed weights
         self.weights_bytes = sum(t.numel() * t.element_size() for t in held.values())

@@ -1,10 +1,11 @@
 """Starting and stopping the ranks of a tensor-parallel stage on one node.
 
 Owns the process side of tensor parallelism: rank 0 (the process the user started) spawns one
-process per other rank and hands it the stage's settings as JSON, every rank joins one `torch.distributed`
-process group (NCCL on CUDA, gloo on CPU) with a short collective timeout, and a rank whose
-leader dies is killed with it (Linux parent-death signal). Fail-stop decisions are the
-caller's: this module only says which ranks are gone.
+process per other rank and hands it the stage's settings as JSON; every rank joins one
+`torch.distributed` process group (NCCL on CUDA, gloo on CPU), with a generous wait for the
+ranks to start and a short collective timeout after; and a rank whose leader dies is killed
+with it (Linux parent-death signal). Fail-stop decisions are the caller's: this module only
+says which ranks are gone.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
 
@@ -25,6 +27,8 @@ from .parallel import TensorParallel
 log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
+JOIN_TIMEOUT_S = 120.0  # how long the ranks of a stage may take to start and meet (join_group)
+_JOINED = "layerline/ranks-joined"  # the store's count of ranks that reached it
 
 
 def spawn_followers(settings_json: str, *, size: int, master: str) -> list[subprocess.Popen[bytes]]:
@@ -43,15 +47,39 @@ def spawn_followers(settings_json: str, *, size: int, master: str) -> list[subpr
     return followers
 
 
-def join_group(*, rank: int, size: int, master: str, timeout_s: float, device: str) -> TensorParallel:
-    """Join the stage's process group; a collective that waits longer than `timeout_s` raises."""
+def join_group(
+    *,
+    rank: int,
+    size: int,
+    master: str,
+    timeout_s: float,
+    device: str,
+    join_timeout_s: float = JOIN_TIMEOUT_S,
+    gone: Callable[[], list[int]] = list,
+) -> TensorParallel:
+    """Join the stage's process group: first wait, up to `join_timeout_s`, until every rank has
+    reached rank 0's store at `master` (`gone`: the ranks whose process exited meanwhile, which
+    fail the join at once); from then on a collective that waits longer than `timeout_s` raises.
+
+    Starting a rank is starting a Python process that imports torch: on a loaded machine (the
+    bench starting four clusters at once) that took longer than the collectives' 10 s, and
+    torch's own rendezvous waits for the other ranks no longer than the collectives' timeout."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
+    host, port = master.rsplit(":", 1)
+    wait = datetime.timedelta(seconds=join_timeout_s)
+    store = dist.TCPStore(host, int(port), size, is_master=rank == 0, timeout=wait, wait_for_workers=False)
+    store.add(_JOINED, 1)
+    deadline = time.monotonic() + join_timeout_s
+    while (joined := store.add(_JOINED, 0)) < size:
+        if exited := gone():
+            raise RuntimeError(f"rank(s) {exited} of this tensor-parallel stage exited before joining its group")
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{joined} of {size} ranks of this tensor-parallel stage joined its group within {join_timeout_s:g} s"
+            )
+        time.sleep(0.05)
     dist.init_process_group(
-        backend,
-        init_method=f"tcp://{master}",
-        rank=rank,
-        world_size=size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        backend, store=store, rank=rank, world_size=size, timeout=datetime.timedelta(seconds=timeout_s)
     )
     return TensorParallel(rank=rank, size=size, group=dist.group.WORLD)
 
