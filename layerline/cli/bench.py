@@ -171,8 +171,9 @@ def add_bench_commands(commands: Subcommands) -> None:
         "to first token and decode tokens/s of one stream, and aggregate tokens/s at "
         "1, 8, 16 and 32 concurrent streams; the 2-stage cluster's single stream and 16 "
         "streams also through its OpenAI-compatible HTTP API (the openai client) beside the "
-        "gRPC SDK. Measurements are interleaved in rounds and "
-        "the medians kept. Then the same extra hop through a bare gRPC relay of the "
+        "gRPC SDK. Measurements are interleaved in rounds, odd rounds in reverse order, and "
+        "the medians kept; each budgeted ratio is also printed round by round. Then the "
+        "same extra hop through a bare gRPC relay of the "
         "model's matmuls, as this machine's floor for that figure. Prints the figures, "
         "the ratios and whether each is within DESIGN.md's budget. Needs transformers "
         "and openai (the test extra).",
