@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
 JOIN_TIMEOUT_S = 120.0  # how long the ranks of a stage may take to start and meet (join_group)
-_JOINED = "layerline/ranks-joined"  # the store's count of ranks that reached it
+_JOINED = "layerline/joined/"  # + a rank: that rank reached the store
 
 
 def spawn_followers(settings_json: str, *, size: int, master: str) -> list[subprocess.Popen[bytes]]:
@@ -68,16 +68,17 @@ def join_group(
     host, port = master.rsplit(":", 1)
     wait = datetime.timedelta(seconds=join_timeout_s)
     store = dist.TCPStore(host, int(port), size, is_master=rank == 0, timeout=wait, wait_for_workers=False)
-    store.add(_JOINED, 1)
+    store.set(f"{_JOINED}{rank}", "1")
     deadline = time.monotonic() + join_timeout_s
-    while (joined := store.add(_JOINED, 0)) < size:
+    while missing := [r for r in range(size) if not store.check([f"{_JOINED}{r}"])]:
         if exited := gone():
             raise RuntimeError(f"rank(s) {exited} of this tensor-parallel stage exited before joining its group")
         if time.monotonic() > deadline:
             raise TimeoutError(
-                f"{joined} of {size} ranks of this tensor-parallel stage joined its group within {join_timeout_s:g} s"
+                f"rank(s) {missing} of this tensor-parallel stage did not join its group within {join_timeout_s:g} s"
             )
         time.sleep(0.05)
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))  # what torch sets on a store it makes itself
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=size, timeout=datetime.timedelta(seconds=timeout_s)
     )

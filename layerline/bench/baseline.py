@@ -8,11 +8,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from layerline.bench.stream import Stream
-
-
-class Seconds(float):
-    """A measured time (shown in ms in the round logs)."""
+from layerline.bench.stream import Seconds, Stream
 
 
 class Baseline:

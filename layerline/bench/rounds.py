@@ -9,7 +9,7 @@ behind (the caches, a team of OpenMP threads still spinning, the machine's phase
 one side of a ratio in every round.
 
 A ratio's headline is the ratio of the two medians. Beside it, the ratio within each round of
-figures measured back to back (`paired`): how far the rounds agree, which the medians hide.
+two figures measured in that round (`paired`): how far the rounds agree, which the medians hide.
 """
 
 from __future__ import annotations

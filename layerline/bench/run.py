@@ -35,12 +35,12 @@ from typing import Any
 
 import grpc
 
-from layerline.bench.baseline import Baseline, Seconds
+from layerline.bench.baseline import Baseline
 from layerline.bench.batch_floor import BatchFloor
 from layerline.bench.hop_floor import HopFloor, measure_hop_floor
 from layerline.bench.openai_streams import check_http_is_grpc, http_aggregate, http_single
 from layerline.bench.rounds import describe, interleaved, paired
-from layerline.bench.stream import Stream
+from layerline.bench.stream import Seconds, Stream
 from layerline.client import AsyncClient, Client
 from layerline.launcher import ClusterPlan, LocalCluster
 from layerline.protos.v1 import stage_pb2, stage_pb2_grpc
@@ -363,11 +363,14 @@ def _judge(
         / result.long_prompt_ttft_s["2_stages"],
     }
     samples = {"single": {k: [v.decode_tokens_per_s for v in vs] for k, vs in singles.items()}, "aggregate": aggregates}
-    result.paired_ratios = {name: paired(samples[kind][a], samples[kind][b]) for name, (kind, a, b) in PAIRS.items()}
-    for name, within in result.paired_ratios.items():
-        _log(f"{name}, round by round: {describe(within)}")
+    result.paired_ratios = {
+        name: paired(samples[kind][num], samples[kind][den]) for name, (kind, num, den) in PAIRS.items()
+    }
     if tls:
         result.ratios[TLS_RATIO] = s["2_stages_tls"] / s["2_stages"]
+        result.paired_ratios[TLS_RATIO] = paired(samples["single"]["2_stages_tls"], samples["single"]["2_stages"])
+    for name, within in result.paired_ratios.items():
+        _log(f"{name}, round by round: {describe(within)}")
     budgets = {**BUDGETS, TLS_RATIO: MIN_TLS_RATIO} if tls else BUDGETS
     result.within_budget = {k: result.ratios[k] >= least for k, least in budgets.items()}
     result.within_budget["added_ms_per_extra_hop_per_token"] = (

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+class Seconds(float):
+    """A measured time (shown in ms in the round logs)."""
+
+
 @dataclass(frozen=True)
 class Stream:
     ttft_s: float  # time to first token
