@@ -88,6 +88,7 @@ class StepLayout:
     # The longest context of the decode batch after this step's write: no decode row attends past
     # it, so attention straight off the pools reads no further than it (paged_attention.py)
     decode_length: int
+    decode_lens: torch.Tensor  # [D] the positions each decoding sequence holds after this step's write
     # A step of one decoding sequence whose blocks are consecutive in the pool (as a sequence's
     # blocks are, taken from a pool nobody fragmented): its context is the slots [start, stop),
     # read as a view of the pool, without a gather and without a mask. None otherwise.
@@ -284,6 +285,7 @@ class PagedKVCache:
             decode_mask=mask.to(self.device),
             prefills=tuple(prefills),
             decode_length=max(decode_lens, default=0),
+            decode_lens=lens,
             decode_slots=_consecutive(decode_tables[0], block, decode_lens[0]) if alone else None,
         )
 

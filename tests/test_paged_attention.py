@@ -1,18 +1,38 @@
-"""A decode batch's attention straight off the paged KV pools gives the numbers of the gather and
-torch's kernel, whatever the pools hold outside each sequence's positions."""
+"""A decode batch's attention straight off the paged KV pools, by the compiled kernel and by
+torch's operations, gives the numbers of the gather and torch's kernel, whatever the pools hold
+outside each sequence's positions."""
 
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 import pytest
 import torch
 
 from layerline.stage_worker.kv_cache import CacheShape, PagedKVCache, StepLayout
 from layerline.stage_worker.llama import batch_decode_attention, gathered_decode_attention
-from layerline.stage_worker.paged_attention import bag_indices, paged_decode_attention
+from layerline.stage_worker.paged_attention import (
+    bag_indices,
+    bagged_decode_attention,
+    compiled_kernel,
+    paged_decode_attention,
+)
 
 pytestmark = pytest.mark.timeout(60)
+HAS_COMPILER = shutil.which("cc") is not None or shutil.which("gcc") is not None
+
+
+@pytest.fixture(params=["compiled", "torch"])
+def pools_path(request, monkeypatch):
+    """`paged_decode_attention` through the compiled kernel, then through torch's operations."""
+    if request.param == "compiled":
+        if not HAS_COMPILER:
+            pytest.skip("no C compiler on this machine")
+        assert compiled_kernel() is not None  # a compiler is here: the kernel must build and agree
+    else:
+        monkeypatch.setattr("layerline.stage_worker.paged_attention.compiled_kernel", lambda: None)
+    return request.param
 
 
 def scattered_batch(lengths: list[int], *, kv_heads: int, block_size: int = 4) -> tuple[PagedKVCache, StepLayout]:
@@ -37,7 +57,7 @@ def scattered_batch(lengths: list[int], *, kv_heads: int, block_size: int = 4) -
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 4), (6, 1)])
-def test_a_decode_batch_off_the_pools_equals_the_gather_and_torchs_kernel(heads, kv_heads):
+def test_a_decode_batch_off_the_pools_equals_the_gather_and_torchs_kernel(heads, kv_heads, pools_path):
     lengths = [3, 9, 1, 14, 6]
     cache, layout = scattered_batch(lengths, kv_heads=kv_heads)
     assert layout.decode_blocks.shape == (5, 4)  # padded to the longest, 15 tokens
@@ -48,17 +68,26 @@ def test_a_decode_batch_off_the_pools_equals_the_gather_and_torchs_kernel(heads,
     assert out.shape == (5, heads * 8)
     reference = gathered_decode_attention(q, cache.k[0], cache.v[0], layout=layout)
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-6)
+    for _ in range(2):  # a later layer's call reuses what the first made of the layout
+        assert torch.equal(paged_decode_attention(q, cache.k[0], cache.v[0], layout=layout), out)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 4)])
+def test_torchs_operations_read_up_to_the_longest_context_once_a_step(heads, kv_heads):
+    cache, layout = scattered_batch([3, 9, 1, 14, 6], kv_heads=kv_heads)
+    q = torch.randn(5, heads, 8, generator=torch.Generator().manual_seed(1))
+    out = bagged_decode_attention(q, cache.k[0], cache.v[0], layout=layout)
     # It reads each sequence up to the batch's longest context, 15, not to its blocks' end, 16:
     # reading the masked 16th changes only the rounding of the softmax's vectorized sums.
     assert layout.decode_length == 15 and bag_indices(layout, heads=heads, kv_heads=kv_heads).mask.shape[-1] == 15
     whole_blocks = dataclasses.replace(layout, decode_length=16, memo={})
-    padded = paged_decode_attention(q, cache.k[0], cache.v[0], layout=whole_blocks)
+    padded = bagged_decode_attention(q, cache.k[0], cache.v[0], layout=whole_blocks)
     torch.testing.assert_close(out, padded, rtol=1e-6, atol=1e-7)
     # The bags' indices are made once a step and kept for every later layer.
     assert bag_indices(layout, heads=heads, kv_heads=kv_heads) is bag_indices(layout, heads=heads, kv_heads=kv_heads)
 
 
-def test_positions_a_sequence_does_not_hold_weigh_nothing():
+def test_positions_a_sequence_does_not_hold_weigh_nothing(pools_path):
     """What sits in a sequence's blocks beyond its length (another's stale KV, huge values) never
     reaches its output."""
     cache, layout = scattered_batch([2, 13], kv_heads=3)

@@ -1,0 +1,107 @@
+/* Attention of a batch of decoding sequences straight off the paged KV pools, float32 on CPU.
+ *
+ * Compiled by stage_worker/native.py for the CPU it runs on and called through ctypes, on the
+ * stage's compute thread: its OpenMP team is torch's own (the library resolves libgomp.so.1 to the
+ * copy torch loaded), so no second set of threads competes with torch's for the cores.
+ *
+ * One sequence per iteration: its keys and values are read block by block where the pools hold
+ * them (a block's rows of every kv head are contiguous), never gathered into a copy. For each
+ * query head: scores = q . k * scale over the sequence's own length, a softmax (max subtracted,
+ * normalized by one reciprocal), and the weighted sum of the value rows.
+ *
+ * The caller (native.py) checks every shape, dtype, stride and index before the call: this code
+ * trusts them. Returns 0, or 1 when a thread's buffer of scores could not be allocated (`out` is then
+ * incomplete).
+ */
+#include <float.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* e^x for x <= 0 (a score minus its row's maximum), vectorizable: 2^n p(r), r = x - n ln 2 in
+ * [-ln 2 / 2, ln 2 / 2], a degree-6 polynomial (Cephes' expf), within 2 ulp of expf; the argument
+ * is clamped at -87.3, where the result is below the smallest normal float. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.3f ? -87.3f : x;
+    const float n = __builtin_roundf(x * 1.44269504088896341f);
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { float f; int32_t i; } u = { .f = p };
+    u.i += (int32_t)n << 23;
+    return u.f;
+}
+
+/* One sequence of `len` positions whose blocks are `table`: out [h, d] from q [h, d]. `scores`
+ * holds h * len floats. Query head j reads kv head j / (h / kvh). */
+static void attend(const float *restrict q, const float *restrict k_pool, const float *restrict v_pool,
+                   const int64_t *restrict table, int64_t len, int64_t block, int64_t h, int64_t kvh, int64_t d,
+                   float scale, float *restrict scores, float *restrict out) {
+    const int64_t group = h / kvh, row = kvh * d;
+    for (int64_t b = 0, p0 = 0; p0 < len; ++b, p0 += block) {
+        const int64_t n = len - p0 < block ? len - p0 : block;
+        const float *keys = k_pool + table[b] * block * row;
+        for (int64_t t = 0; t < n; ++t) {
+            for (int64_t j = 0; j < h; ++j) {
+                const float *k = keys + t * row + j / group * d, *qj = q + j * d;
+                float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+                for (int64_t i = 0; i < d; ++i) acc += qj[i] * k[i];
+                scores[j * len + p0 + t] = acc * scale;
+            }
+        }
+    }
+    for (int64_t j = 0; j < h; ++j) {
+        float *s = scores + j * len, top = -FLT_MAX, sum = 0.f;
+        for (int64_t p = 0; p < len; ++p) top = s[p] > top ? s[p] : top;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t p = 0; p < len; ++p) {
+            s[p] = exp_nonpositive(s[p] - top);
+            sum += s[p];
+        }
+        const float inverse = 1.f / sum;
+        for (int64_t p = 0; p < len; ++p) s[p] *= inverse;
+    }
+    memset(out, 0, sizeof(float) * (size_t)(h * d));
+    for (int64_t b = 0, p0 = 0; p0 < len; ++b, p0 += block) {
+        const int64_t n = len - p0 < block ? len - p0 : block;
+        const float *values = v_pool + table[b] * block * row;
+        for (int64_t t = 0; t < n; ++t) {
+            for (int64_t j = 0; j < h; ++j) {
+                const float *v = values + t * row + j / group * d, w = scores[j * len + p0 + t];
+                float *o = out + j * d;
+#pragma omp simd
+                for (int64_t i = 0; i < d; ++i) o[i] += w * v[i];
+            }
+        }
+    }
+}
+
+/* q [n, h, d]; k_pool, v_pool [slots, kvh, d]; tables [n, width] block ids; lens [n] (each at
+ * least 1, at most width * block); out [n, h, d]. All contiguous. */
+int layerline_paged_attention(const float *restrict q, const float *restrict k_pool, const float *restrict v_pool,
+                              const int64_t *restrict tables, const int64_t *restrict lens, int64_t n, int64_t width,
+                              int64_t block, int64_t h, int64_t kvh, int64_t d, float scale, int threads,
+                              float *restrict out) {
+    int64_t longest = 0;
+    for (int64_t s = 0; s < n; ++s) longest = lens[s] > longest ? lens[s] : longest;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(h * longest));
+        failed = scores == NULL;
+#pragma omp for schedule(static)
+        for (int64_t s = 0; s < n; ++s) {
+            if (scores != NULL)
+                attend(q + s * h * d, k_pool, v_pool, tables + s * width, lens[s], block, h, kvh, d, scale, scores,
+                       out + s * h * d);
+        }
+        free(scores);
+    }
+    return failed;
+}

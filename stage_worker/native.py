@@ -1,0 +1,205 @@
+"""The stage's compiled CPU kernel: C shipped in kernels/, compiled once per machine, called via ctypes.
+
+Owns finding a C compiler ($CC, else `cc`, else `gcc`), compiling kernels/paged_attention.c for
+the CPU it runs on (`-O3 -march=native -fopenmp`; without `-march=native` where the compiler
+refuses it) into the cache ($LAYERLINE_HOME/kernels, named by a hash of the source, the flags,
+the compiler's version and the CPU, so a cache shared by unlike machines never hands one another's
+code), loading it, and calling it with arguments it checked: the C trusts every shape and index
+it is given.
+
+The library is loaded after torch, so its `libgomp.so.1` is the copy torch loaded: its parallel
+loop runs on the OpenMP team torch's kernels use on the same thread, not on a second team that
+would compete with it for the cores (the numba kernel tried before lost its gain to that; see
+docs/performance.md).
+
+`LAYERLINE_KERNELS=torch` turns it off. Where it is off, no compiler is found or compiling fails,
+`load` returns None with the reason, and the stage keeps torch's path (paged_attention.py, which
+also checks the kernel against that path once before it trusts it). Knows nothing of layouts,
+models or steps: tensors in, a tensor out.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from layerline.model_store.store import cache_root
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "kernels" / "paged_attention.c"
+ENV = "LAYERLINE_KERNELS"  # "auto" (the default): compile and use the kernel; "torch": torch's path only
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+FLAG_SETS = (("-march=native", *FLAGS), FLAGS)  # tried in order
+COMPILE_TIMEOUT_S = 120.0
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+
+
+class KernelUnavailable(Exception):
+    """Why the kernel is not used (turned off, no compiler, a compile error)."""
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """A decode batch's block tables and lengths, checked once a step against the pools' size."""
+
+    tables: torch.Tensor  # [n, width] int64, contiguous: the block ids of each sequence
+    lens: torch.Tensor  # [n] int64: the positions each sequence attends to (1 .. width * block)
+    block: int  # slots per block
+    slots: int  # slots per pool
+
+
+def decode_batch(tables: torch.Tensor, lens: torch.Tensor, *, block: int, slots: int) -> DecodeBatch:
+    """`tables` and `lens` as the kernel may read them: ValueError if any would reach past the pools."""
+    if tables.dim() != 2 or lens.shape != (tables.shape[0],):
+        raise ValueError(f"block tables {tuple(tables.shape)} and lengths {tuple(lens.shape)} do not match")
+    tables = tables.to(torch.int64).contiguous()
+    lens = lens.to(torch.int64).contiguous()
+    n, width = tables.shape
+    if n and (int(lens.min()) < 1 or int(lens.max()) > width * block):
+        raise ValueError(f"decode lengths must lie in 1..{width * block} (block tables of {width} blocks of {block})")
+    if n and width and (int(tables.min()) < 0 or int(tables.max()) >= slots // block):
+        raise ValueError(f"block ids must lie in 0..{slots // block - 1}")
+    return DecodeBatch(tables, lens, block, slots)
+
+
+class PagedAttentionKernel:
+    """The compiled kernel of kernels/paged_attention.c, loaded from `path`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fn = ctypes.CDLL(str(path)).layerline_paged_attention
+        self._fn.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int, _P]
+        self._fn.restype = ctypes.c_int
+
+    def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+        """Attention of one new token per sequence: q [n, h, d] over the [slots, kvh, d] float32
+        pools, each sequence over its first `lens` positions. Returns [n, h * d]."""
+        n, h, d = q.shape
+        slots, kvh, pool_d = k_pool.shape
+        if v_pool.shape != k_pool.shape or pool_d != d or slots != batch.slots or h % kvh:
+            raise ValueError(f"q {tuple(q.shape)} and pools {tuple(k_pool.shape)}, {tuple(v_pool.shape)} do not fit")
+        if n != batch.tables.shape[0]:
+            raise ValueError(f"{n} queries for {batch.tables.shape[0]} sequences")
+        for t in (q, k_pool, v_pool):
+            if t.dtype != torch.float32 or t.device.type != "cpu":
+                raise ValueError(f"the kernel takes float32 CPU tensors, not {t.dtype} on {t.device}")
+        if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
+            raise ValueError("the KV pools must be contiguous")
+        q = q.contiguous()
+        out = torch.empty(n, h * d, dtype=torch.float32)
+        failed = self._fn(
+            q.data_ptr(),
+            k_pool.data_ptr(),
+            v_pool.data_ptr(),
+            batch.tables.data_ptr(),
+            batch.lens.data_ptr(),
+            n,
+            batch.tables.shape[1],
+            batch.block,
+            h,
+            kvh,
+            d,
+            d**-0.5,
+            torch.get_num_threads(),
+            out.data_ptr(),
+        )
+        if failed:
+            raise MemoryError(f"the attention kernel could not allocate scores for {h} heads x {int(batch.lens.max())}")
+        return out
+
+
+def load() -> PagedAttentionKernel:
+    """The kernel, compiled first if this machine's build is not in the cache; KernelUnavailable
+    says why not."""
+    choice = os.environ.get(ENV, "auto")
+    if choice not in ("auto", "torch"):
+        raise ValueError(f"{ENV}={choice!r}: must be 'auto' (compile the attention kernel) or 'torch'")
+    if choice == "torch":
+        raise KernelUnavailable(f"{ENV}=torch")
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise KernelUnavailable("no C compiler (cc or gcc on PATH, or $CC)")
+    version = _version(compiler)
+    source = SOURCE.read_bytes()
+    errors: list[str] = []
+    for flags in FLAG_SETS:
+        key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu()])).hexdigest()
+        path = _directory() / f"paged_attention-{key[:16]}.so"
+        if not path.exists():
+            error = _compile(compiler, flags, path)
+            if error:
+                errors.append(f"{compiler} {' '.join(flags)}: {error}")
+                continue
+            log.info("compiled %s with %s %s into %s", SOURCE.name, compiler, " ".join(flags), path)
+        return PagedAttentionKernel(path)
+    raise KernelUnavailable("compiling failed: " + "; ".join(errors))
+
+
+def _version(compiler: str) -> str:
+    try:
+        done = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise KernelUnavailable(f"{compiler} --version: {e}") from e
+    if done.returncode != 0:
+        raise KernelUnavailable(f"{compiler} --version exited with {done.returncode}")
+    return done.stdout.strip()
+
+
+def _cpu() -> bytes:
+    """What a `-march=native` build depends on: the machine, and on Linux the CPU's model and flags."""
+    described = [platform.machine()]
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.split(":")[0].strip() in ("model name", "flags", "Features", "CPU part"):
+                    described.append(line.strip())
+                if not line.strip():
+                    break  # the first CPU is enough: they are alike
+    except OSError:
+        pass
+    return "\n".join(described).encode()
+
+
+def _directory() -> Path:
+    """$LAYERLINE_HOME/kernels, or a temporary directory where the cache cannot be written."""
+    directory = cache_root() / "kernels"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if os.access(directory, os.W_OK):
+            return directory
+    except OSError:
+        pass
+    return Path(tempfile.mkdtemp(prefix="layerline-kernels-"))
+
+
+def _compile(compiler: str, flags: tuple[str, ...], path: Path) -> str | None:
+    """Compile SOURCE into `path` (written whole or not at all); the compiler's complaint if it fails."""
+    fd, partial = tempfile.mkstemp(prefix=path.stem + "-", suffix=".so.partial", dir=path.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [compiler, *flags, "-o", partial, str(SOURCE)], capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S
+        )
+        if done.returncode != 0:
+            lines = (done.stderr or done.stdout).strip().splitlines()
+            return lines[-1] if lines else f"exit status {done.returncode}"
+        os.replace(partial, path)  # concurrent stages each write their own file; the last rename wins, whole
+        return None
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return str(e)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)

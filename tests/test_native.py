@@ -1,0 +1,139 @@
+"""The compiled attention kernel: built once per machine into the cache, checked before it is
+trusted, refused arguments that would reach past the pools, and torch's path wherever it is off,
+missing or wrong."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from layerline.stage_worker import native, paged_attention
+from layerline.stage_worker.kv_cache import CacheShape, PagedKVCache
+from layerline.stage_worker.llama import gathered_decode_attention
+
+pytestmark = pytest.mark.timeout(120)
+needs_compiler = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler on this machine"
+)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("LAYERLINE_HOME", str(tmp_path))
+    monkeypatch.delenv(native.ENV, raising=False)
+    monkeypatch.delenv("CC", raising=False)
+    return tmp_path
+
+
+@pytest.fixture
+def fresh_choice():
+    """`compiled_kernel` decides again in this test, and again after it."""
+    paged_attention.compiled_kernel.cache_clear()
+    yield
+    paged_attention.compiled_kernel.cache_clear()
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2])
+def test_long_and_uneven_contexts_equal_the_gather(home, threads):
+    """32 sequences of 1-300 positions in blocks of 16, SmolLM2's heads, on one and two threads."""
+    kernel = native.load()
+    lengths = [1 + (i * 97) % 300 for i in range(32)]
+    cache = PagedKVCache(CacheShape(700, 16, 3, 64), layer_ids=range(1), dtype=torch.float32)
+    names = [f"s{i}" for i in range(32)]
+    for name, length in zip(names, lengths, strict=True):
+        cache.reserve(name, length - 1)
+        cache.plan_step([name], [length - 1])
+    generator = torch.Generator().manual_seed(3)
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=generator))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=generator))
+    for name in names:
+        cache.reserve(name, 1)
+    layout = cache.plan_step(names, [1] * 32)
+    assert layout.decode_lens.tolist() == lengths
+    q = torch.randn(32, 9, 64, generator=generator)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        batch = native.decode_batch(layout.decode_blocks, layout.decode_lens, block=16, slots=700 * 16)
+        out = kernel(q, cache.k[0], cache.v[0], batch)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out, gathered_decode_attention(q, cache.k[0], cache.v[0], layout=layout))
+
+
+@needs_compiler
+def test_compiled_once_into_the_cache_then_found_there(home):
+    first = native.load()
+    assert first.path.parent == home / "kernels" and first.path.suffix == ".so"
+    built = first.path.stat().st_mtime_ns
+    again = native.load()
+    assert again.path == first.path and again.path.stat().st_mtime_ns == built
+    assert [p.name for p in (home / "kernels").iterdir()] == [first.path.name]  # no partial file left
+
+
+@needs_compiler
+def test_arguments_that_would_reach_past_the_pools_are_refused(home):
+    kernel = native.load()
+    tables = torch.tensor([[0, 1], [2, 3]])
+    with pytest.raises(ValueError, match=r"decode lengths must lie in 1\.\.8"):
+        native.decode_batch(tables, torch.tensor([9, 2]), block=4, slots=16)
+    with pytest.raises(ValueError, match=r"decode lengths must lie in 1\.\.8"):
+        native.decode_batch(tables, torch.tensor([0, 2]), block=4, slots=16)
+    with pytest.raises(ValueError, match=r"block ids must lie in 0\.\.3"):
+        native.decode_batch(tables + 1, torch.tensor([8, 2]), block=4, slots=16)
+    batch = native.decode_batch(tables, torch.tensor([8, 2]), block=4, slots=16)
+    pool = torch.zeros(16, 1, 8)
+    with pytest.raises(ValueError, match="do not fit"):
+        kernel(torch.zeros(2, 2, 8), pool, torch.zeros(32, 1, 8), batch)  # a pool of another size
+    with pytest.raises(ValueError, match="3 queries for 2 sequences"):
+        kernel(torch.zeros(3, 2, 8), pool, pool, batch)
+    with pytest.raises(ValueError, match="float32 CPU tensors"):
+        kernel(torch.zeros(2, 2, 8, dtype=torch.bfloat16), pool, pool, batch)
+
+
+def test_turned_off_or_without_a_compiler_the_stage_keeps_torchs_path(home, monkeypatch, fresh_choice, caplog):
+    monkeypatch.setenv(native.ENV, "torch")
+    with pytest.raises(native.KernelUnavailable, match="LAYERLINE_KERNELS=torch"):
+        native.load()
+    with caplog.at_level(logging.INFO, logger="layerline.stage_worker.paged_attention"):
+        assert paged_attention.compiled_kernel() is None
+    assert "torch's operations (no compiled kernel: LAYERLINE_KERNELS=torch)" in caplog.text
+    monkeypatch.setenv(native.ENV, "fast")
+    with pytest.raises(ValueError, match="LAYERLINE_KERNELS='fast': must be 'auto'"):
+        native.load()
+    monkeypatch.setenv(native.ENV, "auto")
+    monkeypatch.setenv("CC", str(home / "no-such-cc"))
+    with pytest.raises(native.KernelUnavailable, match="no-such-cc --version"):
+        native.load()
+    monkeypatch.delenv("CC")
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    with pytest.raises(native.KernelUnavailable, match="no C compiler"):
+        native.load()
+
+
+@needs_compiler
+def test_a_compiler_that_fails_leaves_nothing_behind(home, monkeypatch):
+    broken = home / "broken.c"
+    broken.write_text("int layerline_paged_attention(void) { return syntax error; }\n")
+    monkeypatch.setattr(native, "SOURCE", broken)
+    with pytest.raises(native.KernelUnavailable, match=r"compiling failed: .*-march=native.*; .*-O3"):
+        native.load()
+    assert list((home / "kernels").iterdir()) == []
+
+
+def test_a_kernel_that_disagrees_with_torch_is_not_used(monkeypatch, fresh_choice, caplog):
+    class Wrong:
+        path = Path("/wrong.so")
+
+        def __call__(self, q, k_pool, v_pool, batch):
+            return torch.zeros(q.shape[0], q.shape[1] * q.shape[2])
+
+    monkeypatch.setattr(native, "load", Wrong)
+    with caplog.at_level(logging.WARNING, logger="layerline.stage_worker.paged_attention"):
+        assert paged_attention.compiled_kernel() is None
+    assert "/wrong.so is off by" in caplog.text
