@@ -2,20 +2,22 @@
 
 Owns finding a C compiler ($CC, else `cc`, else `gcc`), compiling kernels/paged_attention.c for
 the CPU it runs on (`-O3 -march=native -fopenmp`; without `-march=native` where the compiler
-refuses it) into the cache ($LAYERLINE_HOME/kernels, named by a hash of the source, the flags,
-the compiler's version and the CPU, so a cache shared by unlike machines never hands one another's
-code), loading it, and calling it with arguments it checked: the C trusts every shape and index
-it is given.
+refuses it) into the cache ($LAYERLINE_HOME/kernels, which must be this user's and writable by
+nobody else; each build named by a hash of the source, the flags, the compiler's version and the
+CPU, so a cache shared by unlike machines never hands one another's code), loading it, and calling
+it with arguments it checked: the C trusts every shape and index it is given.
 
-The library is loaded after torch, so its `libgomp.so.1` is the copy torch loaded: its parallel
-loop runs on the OpenMP team torch's kernels use on the same thread, not on a second team that
-would compete with it for the cores (the numba kernel tried before lost its gain to that; see
-docs/performance.md).
+The library is loaded after torch, so its `libgomp.so.1` is the copy torch loaded where torch's
+wheel ships it under that name (the CPU wheels do): its parallel loop then runs on the OpenMP team
+torch's kernels use on the same thread, not on a second team that would compete with it for the
+cores, which cost the numba kernel tried before its gain (docs/performance.md). `load` refuses a
+kernel that brought a second runtime.
 
-`LAYERLINE_KERNELS=torch` turns it off. Where it is off, no compiler is found or compiling fails,
-`load` returns None with the reason, and the stage keeps torch's path (paged_attention.py, which
-also checks the kernel against that path once before it trusts it). Knows nothing of layouts,
-models or steps: tensors in, a tensor out.
+`LAYERLINE_KERNELS=torch` turns it off. Where it is off, no compiler is found, compiling or
+loading fails, the cache directory is not this user's alone, or a second OpenMP runtime came,
+`load` raises KernelUnavailable with the reason, and the stage keeps torch's path
+(paged_attention.py, which also checks the kernel against torch's attention once before it
+trusts it). Knows nothing of layouts, models or steps: tensors in, a tensor out.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import logging
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -42,6 +45,7 @@ ENV = "LAYERLINE_KERNELS"  # "auto" (the default): compile and use the kernel; "
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 FLAG_SETS = (("-march=native", *FLAGS), FLAGS)  # tried in order
 COMPILE_TIMEOUT_S = 120.0
+MAPS = "/proc/self/maps"  # where `load` looks for a second OpenMP runtime
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -65,8 +69,8 @@ def decode_batch(tables: torch.Tensor, lens: torch.Tensor, *, block: int, slots:
     """`tables` and `lens` as the kernel may read them: ValueError if any would reach past the pools."""
     if tables.dim() != 2 or lens.shape != (tables.shape[0],):
         raise ValueError(f"block tables {tuple(tables.shape)} and lengths {tuple(lens.shape)} do not match")
-    tables = tables.to(torch.int64).contiguous()
-    lens = lens.to(torch.int64).contiguous()
+    tables = tables.to("cpu", torch.int64).contiguous()
+    lens = lens.to("cpu", torch.int64).contiguous()
     n, width = tables.shape
     if n and (int(lens.min()) < 1 or int(lens.max()) > width * block):
         raise ValueError(f"decode lengths must lie in 1..{width * block} (block tables of {width} blocks of {block})")
@@ -93,6 +97,9 @@ class PagedAttentionKernel:
             raise ValueError(f"q {tuple(q.shape)} and pools {tuple(k_pool.shape)}, {tuple(v_pool.shape)} do not fit")
         if n != batch.tables.shape[0]:
             raise ValueError(f"{n} queries for {batch.tables.shape[0]} sequences")
+        for index in (batch.tables, batch.lens):
+            if index.dtype != torch.int64 or index.device.type != "cpu" or not index.is_contiguous():
+                raise ValueError("a batch's block tables and lengths must be contiguous int64 CPU tensors")
         for t in (q, k_pool, v_pool):
             if t.dtype != torch.float32 or t.device.type != "cpu":
                 raise ValueError(f"the kernel takes float32 CPU tensors, not {t.dtype} on {t.device}")
@@ -123,7 +130,8 @@ class PagedAttentionKernel:
 
 def load() -> PagedAttentionKernel:
     """The kernel, compiled first if this machine's build is not in the cache; KernelUnavailable
-    says why not."""
+    says why not. A `LAYERLINE_KERNELS` other than auto or torch is a ValueError: a stage refuses
+    to start on it."""
     choice = os.environ.get(ENV, "auto")
     if choice not in ("auto", "torch"):
         raise ValueError(f"{ENV}={choice!r}: must be 'auto' (compile the attention kernel) or 'torch'")
@@ -132,19 +140,26 @@ def load() -> PagedAttentionKernel:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise KernelUnavailable("no C compiler (cc or gcc on PATH, or $CC)")
-    version = _version(compiler)
-    source = SOURCE.read_bytes()
-    errors: list[str] = []
-    for flags in FLAG_SETS:
-        key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu()])).hexdigest()
-        path = _directory() / f"paged_attention-{key[:16]}.so"
-        if not path.exists():
-            error = _compile(compiler, flags, path)
-            if error:
-                errors.append(f"{compiler} {' '.join(flags)}: {error}")
-                continue
-            log.info("compiled %s with %s %s into %s", SOURCE.name, compiler, " ".join(flags), path)
-        return PagedAttentionKernel(path)
+    try:
+        version = _version(compiler)
+        source = SOURCE.read_bytes()
+        directory = _directory()
+        errors: list[str] = []
+        for flags in FLAG_SETS:
+            key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu()])).hexdigest()
+            path = directory / f"paged_attention-{key[:16]}.so"
+            if not path.exists():
+                error = _compile(compiler, flags, path)
+                if error:
+                    errors.append(f"{compiler} {' '.join(flags)}: {error}")
+                    continue
+                log.info("compiled %s with %s %s into %s", SOURCE.name, compiler, " ".join(flags), path)
+            _own(path)
+            kernel = PagedAttentionKernel(path)
+            _one_openmp_runtime()
+            return kernel
+    except OSError as e:
+        raise KernelUnavailable(str(e)) from e
     raise KernelUnavailable("compiling failed: " + "; ".join(errors))
 
 
@@ -174,31 +189,60 @@ def _cpu() -> bytes:
 
 
 def _directory() -> Path:
-    """$LAYERLINE_HOME/kernels, or a temporary directory where the cache cannot be written."""
+    """$LAYERLINE_HOME/kernels, made if missing. Code is loaded from it, so it must be this user's
+    and writable by nobody else (KernelUnavailable otherwise)."""
     directory = cache_root() / "kernels"
+    directory.mkdir(mode=0o755, parents=True, exist_ok=True)
+    _own(directory)
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise KernelUnavailable(f"{directory} cannot be written")
+    return directory
+
+
+def _own(path: Path) -> None:
+    """KernelUnavailable unless `path` belongs to this process's user and only it may write it."""
+    st = path.stat()
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise KernelUnavailable(f"{path} belongs to uid {st.st_uid} or others may write it: not loaded")
+
+
+def _one_openmp_runtime() -> None:
+    """KernelUnavailable if the process now maps two OpenMP runtimes: the kernel brought its own
+    libgomp (torch's wheel names its copy otherwise), whose team would compete with torch's."""
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        if os.access(directory, os.W_OK):
-            return directory
+        with open(MAPS, encoding="utf-8", errors="replace") as f:
+            runtimes = {line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line}
     except OSError:
-        pass
-    return Path(tempfile.mkdtemp(prefix="layerline-kernels-"))
+        return  # not Linux: nothing to check against
+    if len(runtimes) > 1:
+        raise KernelUnavailable(f"two OpenMP runtimes in the process ({', '.join(sorted(runtimes))})")
 
 
 def _compile(compiler: str, flags: tuple[str, ...], path: Path) -> str | None:
-    """Compile SOURCE into `path` (written whole or not at all); the compiler's complaint if it fails."""
+    """Compile SOURCE into `path` (written whole or not at all); the compiler's complaint if it fails.
+    The compiler runs in a session of its own, so that a timeout kills its linker too."""
     fd, partial = tempfile.mkstemp(prefix=path.stem + "-", suffix=".so.partial", dir=path.parent)
     os.close(fd)
     try:
-        done = subprocess.run(
-            [compiler, *flags, "-o", partial, str(SOURCE)], capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S
-        )
-        if done.returncode != 0:
-            lines = (done.stderr or done.stdout).strip().splitlines()
-            return lines[-1] if lines else f"exit status {done.returncode}"
+        with subprocess.Popen(
+            [compiler, *flags, "-o", partial, str(SOURCE)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        ) as process:
+            try:
+                out, err = process.communicate(timeout=COMPILE_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.communicate()
+                return f"no result after {COMPILE_TIMEOUT_S:.0f} s"
+        if process.returncode != 0:
+            lines = (err or out).strip().splitlines()
+            return lines[-1] if lines else f"exit status {process.returncode}"
         os.replace(partial, path)  # concurrent stages each write their own file; the last rename wins, whole
         return None
-    except (OSError, subprocess.TimeoutExpired) as e:
+    except OSError as e:
         return str(e)
     finally:
         if os.path.exists(partial):

@@ -137,3 +137,66 @@ def test_a_kernel_that_disagrees_with_torch_is_not_used(monkeypatch, fresh_choic
     with caplog.at_level(logging.WARNING, logger="layerline.stage_worker.paged_attention"):
         assert paged_attention.compiled_kernel() is None
     assert "/wrong.so is off by" in caplog.text
+
+
+@needs_compiler
+def test_scores_far_apart_strided_queries_and_pools_it_cannot_read(home):
+    """Scores spread by hundreds (the exp's clamp and smallest exponent), a query that is a view
+    into the step's qkv rows as llama.py passes it, and pools that are not one piece, refused."""
+    kernel = native.load()
+    generator = torch.Generator().manual_seed(5)
+    cache = PagedKVCache(CacheShape(32, 4, 2, 16), layer_ids=range(1), dtype=torch.float32)
+    for name, length in (("a", 30), ("b", 7)):
+        cache.reserve(name, length)
+        cache.plan_step([name], [length])
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=generator))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=generator))
+    for name in ("a", "b"):
+        cache.reserve(name, 1)
+    layout = cache.plan_step(["a", "b"], [1, 1])
+    qkv = torch.randn(2, 6 + 2 * 2, 16, generator=generator) * 100  # [T, h + 2 kvh, d]
+    q = qkv.split([6, 4], dim=1)[0]
+    assert not q.is_contiguous()
+    batch = native.decode_batch(layout.decode_blocks, layout.decode_lens, block=4, slots=128)
+    out = kernel(q, cache.k[0], cache.v[0], batch)
+    reference = gathered_decode_attention(q.contiguous(), cache.k[0], cache.v[0], layout=layout)
+    scores = torch.einsum("hd,ld->hl", q[0, :3].contiguous(), cache.k[0][:31, 0]) * 16**-0.5
+    assert float((scores.max(-1).values - scores.min(-1).values).min()) > 200  # every head past the clamp at -87.3
+    # Scores of hundreds carry float32 rounding of about 1e-5 into the weights, either way.
+    torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        kernel(q, cache.k[0].transpose(0, 1).contiguous().transpose(0, 1), cache.v[0], batch)
+
+
+@needs_compiler
+def test_a_cache_others_may_write_is_not_loaded_from(home):
+    (home / "kernels").mkdir(mode=0o777)
+    (home / "kernels").chmod(0o777)
+    with pytest.raises(native.KernelUnavailable, match="others may write it: not loaded"):
+        native.load()
+
+
+@needs_compiler
+def test_one_openmp_runtime_in_the_process_and_a_second_refused(home, tmp_path, monkeypatch):
+    native.load()
+    with open("/proc/self/maps", encoding="utf-8") as f:
+        runtimes = {line.split()[-1] for line in f if "libgomp" in line}
+    assert len(runtimes) == 1  # the kernel's libgomp.so.1 is torch's
+    maps = tmp_path / "maps"
+    maps.write_text(
+        "7f00-7f01 r-xp 0 08:01 1 /venv/torch/lib/libgomp.so.1\n7f02-7f03 r-xp 0 08:01 2 /usr/lib/libgomp.so.1\n"
+    )
+    monkeypatch.setattr(native, "MAPS", str(maps))
+    with pytest.raises(native.KernelUnavailable, match="two OpenMP runtimes"):
+        native.load()
+
+
+def test_a_kernel_that_answers_nan_is_not_used(monkeypatch, fresh_choice):
+    class Nan:
+        path = Path("/nan.so")
+
+        def __call__(self, q, k_pool, v_pool, batch):
+            return torch.full((q.shape[0], q.shape[1] * q.shape[2]), float("nan"))
+
+    monkeypatch.setattr(native, "load", Nan)
+    assert paged_attention.compiled_kernel() is None

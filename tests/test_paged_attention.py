@@ -23,16 +23,27 @@ pytestmark = pytest.mark.timeout(60)
 HAS_COMPILER = shutil.which("cc") is not None or shutil.which("gcc") is not None
 
 
+@pytest.fixture(scope="module")
+def kernel_home(tmp_path_factory):
+    return tmp_path_factory.mktemp("home")
+
+
 @pytest.fixture(params=["compiled", "torch"])
-def pools_path(request, monkeypatch):
-    """`paged_decode_attention` through the compiled kernel, then through torch's operations."""
+def pools_path(request, monkeypatch, kernel_home):
+    """`paged_decode_attention` through the compiled kernel (built in a home of this module's),
+    then through torch's operations."""
+    monkeypatch.setenv("LAYERLINE_HOME", str(kernel_home))
+    for name in ("LAYERLINE_KERNELS", "CC"):
+        monkeypatch.delenv(name, raising=False)
+    compiled_kernel.cache_clear()
     if request.param == "compiled":
         if not HAS_COMPILER:
             pytest.skip("no C compiler on this machine")
         assert compiled_kernel() is not None  # a compiler is here: the kernel must build and agree
     else:
         monkeypatch.setattr("layerline.stage_worker.paged_attention.compiled_kernel", lambda: None)
-    return request.param
+    yield request.param
+    compiled_kernel.cache_clear()
 
 
 def scattered_batch(lengths: list[int], *, kv_heads: int, block_size: int = 4) -> tuple[PagedKVCache, StepLayout]:
@@ -68,8 +79,10 @@ def test_a_decode_batch_off_the_pools_equals_the_gather_and_torchs_kernel(heads,
     assert out.shape == (5, heads * 8)
     reference = gathered_decode_attention(q, cache.k[0], cache.v[0], layout=layout)
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-6)
-    for _ in range(2):  # a later layer's call reuses what the first made of the layout
+    if pools_path == "compiled":  # a later layer's call reuses the batch the first checked
+        batch = layout.memo["decode_batch"]
         assert torch.equal(paged_decode_attention(q, cache.k[0], cache.v[0], layout=layout), out)
+        assert layout.memo["decode_batch"] is batch
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 4)])
@@ -103,7 +116,7 @@ def test_positions_a_sequence_does_not_hold_weigh_nothing(pools_path):
     assert torch.equal(before, after)
 
 
-def test_only_float32_on_the_cpu_takes_the_pools_path(monkeypatch):
+def test_only_float32_on_the_cpu_takes_the_pools_path(monkeypatch, pools_path):
     """Half precision keeps the gather and torch's kernel (its accumulation is the kernel's)."""
     taken: list[torch.dtype] = []
     monkeypatch.setattr(

@@ -1,8 +1,9 @@
 /* Attention of a batch of decoding sequences straight off the paged KV pools, float32 on CPU.
  *
  * Compiled by stage_worker/native.py for the CPU it runs on and called through ctypes, on the
- * stage's compute thread: its OpenMP team is torch's own (the library resolves libgomp.so.1 to the
- * copy torch loaded), so no second set of threads competes with torch's for the cores.
+ * stage's compute thread. Loaded after torch, its libgomp.so.1 is the copy torch loaded where
+ * torch's wheel ships it under that name (native.py refuses the kernel where a second libgomp
+ * came with it), so its team is the one torch's kernels use on that thread.
  *
  * One sequence per iteration: its keys and values are read block by block where the pools hold
  * them (a block's rows of every kv head are contiguous), never gathered into a copy. For each
@@ -19,11 +20,12 @@
 #include <string.h>
 
 /* e^x for x <= 0 (a score minus its row's maximum), vectorizable: 2^n p(r), r = x - n ln 2 in
- * [-ln 2 / 2, ln 2 / 2], a degree-6 polynomial (Cephes' expf), within 2 ulp of expf; the argument
- * is clamped at -87.3, where the result is below the smallest normal float. */
+ * [-ln 2 / 2, ln 2 / 2], a degree-6 polynomial (Cephes' expf), within 2 ulp of expf. The argument
+ * is clamped at -87.3, where e^x is 1.2e-38, just above the smallest normal float: such a weight
+ * is nothing beside the row's largest, whose is 1. */
 static inline float exp_nonpositive(float x) {
     x = x < -87.3f ? -87.3f : x;
-    const float n = __builtin_roundf(x * 1.44269504088896341f);
+    const float n = __builtin_rintf(x * 1.44269504088896341f);
     const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
@@ -33,7 +35,7 @@ static inline float exp_nonpositive(float x) {
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
     union { float f; int32_t i; } u = { .f = p };
-    u.i += (int32_t)n << 23;
+    u.i += (int32_t)((uint32_t)(int32_t)n << 23); /* n >= -126: the exponent stays normal */
     return u.f;
 }
 
@@ -58,6 +60,7 @@ static void attend(const float *restrict q, const float *restrict k_pool, const 
     }
     for (int64_t j = 0; j < h; ++j) {
         float *s = scores + j * len, top = -FLT_MAX, sum = 0.f;
+#pragma omp simd reduction(max : top)
         for (int64_t p = 0; p < len; ++p) top = s[p] > top ? s[p] : top;
 #pragma omp simd reduction(+ : sum)
         for (int64_t p = 0; p < len; ++p) {
@@ -88,6 +91,7 @@ int layerline_paged_attention(const float *restrict q, const float *restrict k_p
                               const int64_t *restrict tables, const int64_t *restrict lens, int64_t n, int64_t width,
                               int64_t block, int64_t h, int64_t kvh, int64_t d, float scale, int threads,
                               float *restrict out) {
+    if (n == 0) return 0;
     int64_t longest = 0;
     for (int64_t s = 0; s < n; ++s) longest = lens[s] > longest ? lens[s] : longest;
     int failed = 0;
