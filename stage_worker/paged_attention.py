@@ -12,8 +12,8 @@ time of a whole step with torch's operations (rounds 0.84-0.99x); one layer alon
 about the same time (120-230 us either way): the gain is in the cold pass of a real step, which
 reads the pools once instead of gathering and reading again.
 
-torch's operations. A batched decode step used to gather each sequence's whole KV blocks into one dense tensor per
-layer and hand it to torch's attention kernel. At 32 sequences that moves the whole batch's keys
+torch's operations: a batched decode step used to gather each sequence's whole KV blocks into
+one dense tensor per layer and hand it to torch's attention kernel. At 32 sequences that moves the whole batch's keys
 and values three times a layer (read, write, read again), and torch's CPU flash kernel spends
 most of its time on the small, strided pieces it is given. Here:
 
