@@ -96,7 +96,7 @@ class StageEngine:
         # A step runs on this stage's share of the cores, and one alone on its chain on the
         # cores of the whole chain: the chain's other stages wait for it meanwhile.
         self.max_threads = max_threads or torch.get_num_threads()
-        if cache.device.type == "cpu" and cache.dtype == torch.float32:
+        if cache.device.type == "cpu" and cache.dtype in (torch.float32, torch.bfloat16):
             compiled_kernel()  # the decode batch's attention kernel compiled (or found) now, not at the first step
         self.prefill_threads = prefill_threads or self.max_threads
         model.set_threads(torch.get_num_threads())  # and again each time `_use_threads` changes it

@@ -27,7 +27,7 @@ from torch import nn
 from layerline.shared.model_config import LayerRange, ModelConfig, RopeConfig
 
 from .kv_cache import PagedKVCache, StepLayout
-from .paged_attention import paged_decode_attention
+from .paged_attention import paged_decode_attention, reads_pools
 from .parallel import SINGLE_RANK, TensorParallel
 from .sharding import Shards, shards_for
 
@@ -192,9 +192,9 @@ def batch_decode_attention(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, *, layout: StepLayout
 ) -> torch.Tensor:
     """Attention of `layout`'s decode batch, q [D, h, d], over the [slots, kvh, d] pools: [D, h * d].
-    In float32 on CPU straight off the pools (paged_attention.py); elsewhere each sequence's
-    blocks are gathered for torch's kernel."""
-    if k_pool.device.type == "cpu" and k_pool.dtype == torch.float32:
+    On CPU straight off the pools where paged_attention.py reads them (float32; bfloat16 with its
+    compiled kernel); elsewhere each sequence's blocks are gathered for torch's kernel."""
+    if reads_pools(k_pool):
         return paged_decode_attention(q, k_pool, v_pool, layout=layout)
     return gathered_decode_attention(q, k_pool, v_pool, layout=layout)
 

@@ -46,6 +46,7 @@ FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 FLAG_SETS = (("-march=native", *FLAGS), FLAGS)  # tried in order
 COMPILE_TIMEOUT_S = 120.0
 MAPS = "/proc/self/maps"  # where `load` looks for a second OpenMP runtime
+POOL_DTYPES = (torch.float32, torch.bfloat16)  # the pools the kernel reads
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -85,12 +86,13 @@ class PagedAttentionKernel:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._fn = ctypes.CDLL(str(path)).layerline_paged_attention
-        self._fn.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int, _P]
+        self._fn.argtypes = [_P, _P, _P, ctypes.c_int, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int, _P]
         self._fn.restype = ctypes.c_int
 
     def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
-        """Attention of one new token per sequence: q [n, h, d] over the [slots, kvh, d] float32
-        pools, each sequence over its first `lens` positions. Returns [n, h * d]."""
+        """Attention of one new token per sequence: q [n, h, d] over the [slots, kvh, d] pools
+        (float32 or bfloat16, both alike), each sequence over its first `lens` positions, computed
+        in float32. Returns [n, h * d] in q's dtype."""
         n, h, d = q.shape
         slots, kvh, pool_d = k_pool.shape
         if v_pool.shape != k_pool.shape or pool_d != d or slots != batch.slots or h % kvh:
@@ -101,16 +103,19 @@ class PagedAttentionKernel:
             if index.dtype != torch.int64 or index.device.type != "cpu" or not index.is_contiguous():
                 raise ValueError("a batch's block tables and lengths must be contiguous int64 CPU tensors")
         for t in (q, k_pool, v_pool):
-            if t.dtype != torch.float32 or t.device.type != "cpu":
-                raise ValueError(f"the kernel takes float32 CPU tensors, not {t.dtype} on {t.device}")
+            if t.dtype not in POOL_DTYPES or t.device.type != "cpu":
+                raise ValueError(f"the kernel takes float32 or bfloat16 CPU tensors, not {t.dtype} on {t.device}")
+        if v_pool.dtype != k_pool.dtype:
+            raise ValueError(f"key and value pools of unlike dtypes ({k_pool.dtype}, {v_pool.dtype})")
         if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
             raise ValueError("the KV pools must be contiguous")
-        q = q.contiguous()
+        wide = q.to(torch.float32).contiguous()
         out = torch.empty(n, h * d, dtype=torch.float32)
         failed = self._fn(
-            q.data_ptr(),
+            wide.data_ptr(),
             k_pool.data_ptr(),
             v_pool.data_ptr(),
+            k_pool.dtype == torch.bfloat16,
             batch.tables.data_ptr(),
             batch.lens.data_ptr(),
             n,
@@ -125,7 +130,7 @@ class PagedAttentionKernel:
         )
         if failed:
             raise MemoryError(f"the attention kernel could not allocate scores for {h} heads x {int(batch.lens.max())}")
-        return out
+        return out.to(q.dtype)
 
 
 def load() -> PagedAttentionKernel:

@@ -1,8 +1,12 @@
-"""Attention of a batch of decoding sequences straight off the paged KV pools, on CPU in float32.
+"""Attention of a batch of decoding sequences straight off the paged KV pools, on CPU.
 
-Two ways, equal up to float32 rounding: the compiled kernel (native.py, kernels/paged_attention.c),
-where a C compiler made it and it agreed with torch's attention kernel on two small batches at its
-first use; else torch's operations (`bagged_decode_attention`, whose notes follow this one's).
+Float32 pools, two ways, equal up to float32 rounding: the compiled kernel (native.py,
+kernels/paged_attention.c), where a C compiler made it and it agreed with torch's attention
+kernel on small batches at its first use; else torch's operations (`bagged_decode_attention`,
+whose notes follow this one's). Bfloat16 pools: the compiled kernel where there is one, which
+widens each key and value to float32 as it reads it and keeps the scores, the probabilities and
+the sums in float32 (torch's CPU kernel rounds the probabilities to bfloat16 before their product
+with the values); else the caller gathers the blocks for torch's kernel (llama.py).
 
 The compiled kernel reads each sequence's keys and values where the pools hold them, block by
 block, for all its heads at once, and keeps the scores of one sequence in its thread's cache.
@@ -85,14 +89,24 @@ def bag_indices(layout: StepLayout, *, heads: int, kv_heads: int) -> BagIndices:
     return found
 
 
+def reads_pools(pool: torch.Tensor) -> bool:
+    """Whether `paged_decode_attention` takes pools like `pool`: float32 ones on the CPU, and
+    bfloat16 ones on the CPU where the compiled kernel is."""
+    if pool.device.type != "cpu":
+        return False
+    return pool.dtype == torch.float32 or (pool.dtype == torch.bfloat16 and compiled_kernel() is not None)
+
+
 def paged_decode_attention(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, *, layout: StepLayout
 ) -> torch.Tensor:
     """Attention of one new token per sequence of `layout`'s decode batch: q [D, h, d] over the
-    [slots, kvh, d] float32 pools, each sequence over the positions it holds. Returns [D, h * d].
-    The compiled kernel's where there is one, else torch's operations'."""
+    [slots, kvh, d] pools (as `reads_pools` takes them), each sequence over the positions it
+    holds. Returns [D, h * d]. The compiled kernel's where there is one, else torch's operations'."""
     kernel = compiled_kernel()
     if kernel is None:
+        if k_pool.dtype != torch.float32:
+            raise ValueError(f"{k_pool.dtype} pools need the compiled kernel, and there is none")
         return bagged_decode_attention(q, k_pool, v_pool, layout=layout)
     batch = layout.memo.get("decode_batch")
     if not isinstance(batch, native.DecodeBatch):
@@ -115,7 +129,9 @@ def compiled_kernel() -> native.PagedAttentionKernel | None:
         return None
     try:
         difference = max(
-            _disagreement(kernel, heads=6, kv_heads=2, d=16), _disagreement(kernel, heads=9, kv_heads=3, d=64)
+            _disagreement(kernel, heads=6, kv_heads=2, d=16),
+            _disagreement(kernel, heads=9, kv_heads=3, d=64),
+            _disagreement(kernel, heads=9, kv_heads=3, d=64, dtype=torch.bfloat16),
         )
     except (OSError, ValueError, MemoryError) as e:
         log.warning("decode attention: torch's operations (%s failed its check: %s)", kernel.path, e)
@@ -127,16 +143,20 @@ def compiled_kernel() -> native.PagedAttentionKernel | None:
     return kernel
 
 
-def _disagreement(kernel: native.PagedAttentionKernel, *, heads: int, kv_heads: int, d: int) -> float:
+def _disagreement(
+    kernel: native.PagedAttentionKernel, *, heads: int, kv_heads: int, d: int, dtype: torch.dtype = torch.float32
+) -> float:
     """The largest difference between the kernel and torch's attention kernel on a small random
-    batch: 4 sequences of 1-37 positions in blocks of 4 taken out of order."""
+    batch: 4 sequences of 1-37 positions in blocks of 4 taken out of order, the pools in `dtype`
+    (torch's in float32 on the same values)."""
     generator = torch.Generator().manual_seed(0)
     block, width = 4, 10
-    k_pool, v_pool = (torch.randn(40 * block, kv_heads, d, generator=generator) for _ in range(2))
+    k_held, v_held = (torch.randn(40 * block, kv_heads, d, generator=generator).to(dtype) for _ in range(2))
     tables = torch.randperm(40, generator=generator)[: 4 * width].view(4, width)
     lens = torch.tensor([37, 1, 16, 9])
     q = torch.randn(4, heads, d, generator=generator)
-    ours = kernel(q, k_pool, v_pool, native.decode_batch(tables, lens, block=block, slots=40 * block))
+    ours = kernel(q, k_held, v_held, native.decode_batch(tables, lens, block=block, slots=40 * block))
+    k_pool, v_pool = k_held.float(), v_held.float()
     held = torch.arange(width * block) < lens[:, None]
     mask = torch.zeros(held.shape).masked_fill_(~held, float("-inf"))[:, None, None, :]
     keys = k_pool.view(40, block * kv_heads * d)[tables.flatten()].view(4, width * block, kv_heads, d).transpose(1, 2)

@@ -4,6 +4,7 @@ missing or wrong."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 from pathlib import Path
@@ -67,6 +68,35 @@ def test_long_and_uneven_contexts_equal_the_gather(home, threads):
 
 
 @needs_compiler
+def test_bfloat16_pools_are_widened_as_they_are_read(home):
+    """Bfloat16 pools give float32 attention over the same values, rounded once at the end to the
+    query's dtype: 32 sequences of 1-300 positions, SmolLM2's heads."""
+    kernel = native.load()
+    lengths = [1 + (i * 89) % 300 for i in range(32)]
+    cache = PagedKVCache(CacheShape(700, 16, 3, 64), layer_ids=range(1), dtype=torch.bfloat16)
+    names = [f"s{i}" for i in range(32)]
+    for name, length in zip(names, lengths, strict=True):
+        cache.reserve(name, length - 1)
+        cache.plan_step([name], [length - 1])
+    generator = torch.Generator().manual_seed(4)
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=generator))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=generator))
+    for name in names:
+        cache.reserve(name, 1)
+    layout = cache.plan_step(names, [1] * 32)
+    q = torch.randn(32, 9, 64, generator=generator).to(torch.bfloat16)
+    batch = native.decode_batch(layout.decode_blocks, layout.decode_lens, block=16, slots=700 * 16)
+    out = kernel(q, cache.k[0], cache.v[0], batch)
+    assert out.dtype == torch.bfloat16 and out.shape == (32, 9 * 64)
+    wide = kernel(q.float(), cache.k[0], cache.v[0], batch)  # a float32 query: float32 out, not rounded
+    assert wide.dtype == torch.float32 and torch.equal(wide.to(torch.bfloat16), out)
+    k32, v32 = cache.k[0].float(), cache.v[0].float()
+    float_layout = dataclasses.replace(layout, decode_mask=layout.decode_mask.float())
+    torch.testing.assert_close(wide, gathered_decode_attention(q.float(), k32, v32, layout=float_layout))
+    torch.testing.assert_close(wide, kernel(q.float(), k32, v32, batch))
+
+
+@needs_compiler
 def test_compiled_once_into_the_cache_then_found_there(home):
     first = native.load()
     assert first.path.parent == home / "kernels" and first.path.suffix == ".so"
@@ -92,8 +122,10 @@ def test_arguments_that_would_reach_past_the_pools_are_refused(home):
         kernel(torch.zeros(2, 2, 8), pool, torch.zeros(32, 1, 8), batch)  # a pool of another size
     with pytest.raises(ValueError, match="3 queries for 2 sequences"):
         kernel(torch.zeros(3, 2, 8), pool, pool, batch)
-    with pytest.raises(ValueError, match="float32 CPU tensors"):
-        kernel(torch.zeros(2, 2, 8, dtype=torch.bfloat16), pool, pool, batch)
+    with pytest.raises(ValueError, match="float32 or bfloat16 CPU tensors"):
+        kernel(torch.zeros(2, 2, 8, dtype=torch.float16), pool, pool, batch)
+    with pytest.raises(ValueError, match="unlike dtypes"):
+        kernel(torch.zeros(2, 2, 8), pool, pool.to(torch.bfloat16), batch)
 
 
 def test_turned_off_or_without_a_compiler_the_stage_keeps_torchs_path(home, monkeypatch, fresh_choice, caplog):

@@ -116,8 +116,10 @@ def test_positions_a_sequence_does_not_hold_weigh_nothing(pools_path):
     assert torch.equal(before, after)
 
 
-def test_only_float32_on_the_cpu_takes_the_pools_path(monkeypatch, pools_path):
-    """Half precision keeps the gather and torch's kernel (its accumulation is the kernel's)."""
+def test_bfloat16_takes_the_pools_path_with_the_kernel_and_the_gather_without(monkeypatch, pools_path):
+    """Float32 pools always read straight off the pools; bfloat16 ones only by the compiled kernel
+    (which widens them to float32), else the gather and torch's kernel. Either way a bfloat16
+    query gets bfloat16 out, within bfloat16's rounding of the float32 answer."""
     taken: list[torch.dtype] = []
     monkeypatch.setattr(
         "layerline.stage_worker.llama.paged_decode_attention",
@@ -125,7 +127,9 @@ def test_only_float32_on_the_cpu_takes_the_pools_path(monkeypatch, pools_path):
     )
     cache, layout = scattered_batch([4, 7], kv_heads=3)
     q = torch.randn(2, 9, 8)
-    batch_decode_attention(q, cache.k[0], cache.v[0], layout=layout)
+    full = batch_decode_attention(q, cache.k[0], cache.v[0], layout=layout)
     half = cache.k[0].to(torch.bfloat16), cache.v[0].to(torch.bfloat16)
     out = batch_decode_attention(q.to(torch.bfloat16), *half, layout=layout)
-    assert taken == [torch.float32] and out.dtype == torch.bfloat16
+    compiled = [torch.float32, torch.bfloat16] if pools_path == "compiled" else [torch.float32]
+    assert taken == compiled and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), full, rtol=0.05, atol=0.05)

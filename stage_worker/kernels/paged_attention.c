@@ -1,4 +1,4 @@
-/* Attention of a batch of decoding sequences straight off the paged KV pools, float32 on CPU.
+/* Attention of a batch of decoding sequences straight off the paged KV pools, on CPU.
  *
  * Compiled by stage_worker/native.py for the CPU it runs on and called through ctypes, on the
  * stage's compute thread. Loaded after torch, its libgomp.so.1 is the copy torch loaded where
@@ -9,6 +9,9 @@
  * them (a block's rows of every kv head are contiguous), never gathered into a copy. For each
  * query head: scores = q . k * scale over the sequence's own length, a softmax (max subtracted,
  * normalized by one reciprocal), and the weighted sum of the value rows.
+ *
+ * The pools hold float32 or bfloat16 (`bf16`); the queries, the scores, the softmax and the sums
+ * are float32 either way: a bfloat16 key or value is widened exactly as it is read.
  *
  * The caller (native.py) checks every shape, dtype, stride and index before the call: this code
  * trusts them. Returns 0, or 1 when a thread's buffer of scores could not be allocated (`out` is then
@@ -39,24 +42,52 @@ static inline float exp_nonpositive(float x) {
     return u.f;
 }
 
+/* A bfloat16's float32 value: its 16 bits are the float's upper half. */
+static inline float widen(uint16_t b) {
+    union { uint32_t u; float f; } x = { .u = (uint32_t)b << 16 };
+    return x.f;
+}
+
+/* q . k over d, k float32 or bfloat16. */
+static inline float dot(const float *restrict q, const void *restrict k, int64_t d, int bf16) {
+    float acc = 0.f;
+    if (bf16) {
+        const uint16_t *kb = k;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t i = 0; i < d; ++i) acc += q[i] * widen(kb[i]);
+    } else {
+        const float *kf = k;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t i = 0; i < d; ++i) acc += q[i] * kf[i];
+    }
+    return acc;
+}
+
+/* o += w * v over d, v float32 or bfloat16. */
+static inline void axpy(float *restrict o, float w, const void *restrict v, int64_t d, int bf16) {
+    if (bf16) {
+        const uint16_t *vb = v;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) o[i] += w * widen(vb[i]);
+    } else {
+        const float *vf = v;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) o[i] += w * vf[i];
+    }
+}
+
 /* One sequence of `len` positions whose blocks are `table`: out [h, d] from q [h, d]. `scores`
  * holds h * len floats. Query head j reads kv head j / (h / kvh). */
-static void attend(const float *restrict q, const float *restrict k_pool, const float *restrict v_pool,
+static void attend(const float *restrict q, const char *restrict k_pool, const char *restrict v_pool, int bf16,
                    const int64_t *restrict table, int64_t len, int64_t block, int64_t h, int64_t kvh, int64_t d,
                    float scale, float *restrict scores, float *restrict out) {
-    const int64_t group = h / kvh, row = kvh * d;
+    const int64_t group = h / kvh, size = bf16 ? 2 : 4, row = kvh * d * size; /* row: bytes */
     for (int64_t b = 0, p0 = 0; p0 < len; ++b, p0 += block) {
         const int64_t n = len - p0 < block ? len - p0 : block;
-        const float *keys = k_pool + table[b] * block * row;
-        for (int64_t t = 0; t < n; ++t) {
-            for (int64_t j = 0; j < h; ++j) {
-                const float *k = keys + t * row + j / group * d, *qj = q + j * d;
-                float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-                for (int64_t i = 0; i < d; ++i) acc += qj[i] * k[i];
-                scores[j * len + p0 + t] = acc * scale;
-            }
-        }
+        const char *keys = k_pool + table[b] * block * row;
+        for (int64_t t = 0; t < n; ++t)
+            for (int64_t j = 0; j < h; ++j)
+                scores[j * len + p0 + t] = dot(q + j * d, keys + t * row + j / group * d * size, d, bf16) * scale;
     }
     for (int64_t j = 0; j < h; ++j) {
         float *s = scores + j * len, top = -FLT_MAX, sum = 0.f;
@@ -73,21 +104,17 @@ static void attend(const float *restrict q, const float *restrict k_pool, const 
     memset(out, 0, sizeof(float) * (size_t)(h * d));
     for (int64_t b = 0, p0 = 0; p0 < len; ++b, p0 += block) {
         const int64_t n = len - p0 < block ? len - p0 : block;
-        const float *values = v_pool + table[b] * block * row;
-        for (int64_t t = 0; t < n; ++t) {
-            for (int64_t j = 0; j < h; ++j) {
-                const float *v = values + t * row + j / group * d, w = scores[j * len + p0 + t];
-                float *o = out + j * d;
-#pragma omp simd
-                for (int64_t i = 0; i < d; ++i) o[i] += w * v[i];
-            }
-        }
+        const char *values = v_pool + table[b] * block * row;
+        for (int64_t t = 0; t < n; ++t)
+            for (int64_t j = 0; j < h; ++j)
+                axpy(out + j * d, scores[j * len + p0 + t], values + t * row + j / group * d * size, d, bf16);
     }
 }
 
-/* q [n, h, d]; k_pool, v_pool [slots, kvh, d]; tables [n, width] block ids; lens [n] (each at
- * least 1, at most width * block); out [n, h, d]. All contiguous. */
-int layerline_paged_attention(const float *restrict q, const float *restrict k_pool, const float *restrict v_pool,
+/* q [n, h, d] float32; k_pool, v_pool [slots, kvh, d], bfloat16 if `bf16` else float32; tables
+ * [n, width] block ids; lens [n] (each at least 1, at most width * block); out [n, h, d] float32.
+ * All contiguous. */
+int layerline_paged_attention(const float *restrict q, const void *restrict k_pool, const void *restrict v_pool, int bf16,
                               const int64_t *restrict tables, const int64_t *restrict lens, int64_t n, int64_t width,
                               int64_t block, int64_t h, int64_t kvh, int64_t d, float scale, int threads,
                               float *restrict out) {
@@ -102,7 +129,7 @@ int layerline_paged_attention(const float *restrict q, const float *restrict k_p
 #pragma omp for schedule(static)
         for (int64_t s = 0; s < n; ++s) {
             if (scores != NULL)
-                attend(q + s * h * d, k_pool, v_pool, tables + s * width, lens[s], block, h, kvh, d, scale, scores,
+                attend(q + s * h * d, k_pool, v_pool, bf16, tables + s * width, lens[s], block, h, kvh, d, scale, scores,
                        out + s * h * d);
         }
         free(scores);
