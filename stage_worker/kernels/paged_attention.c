@@ -114,10 +114,10 @@ static void attend(const float *restrict q, const char *restrict k_pool, const c
 /* q [n, h, d] float32; k_pool, v_pool [slots, kvh, d], bfloat16 if `bf16` else float32; tables
  * [n, width] block ids; lens [n] (each at least 1, at most width * block); out [n, h, d] float32.
  * All contiguous. */
-int layerline_paged_attention(const float *restrict q, const void *restrict k_pool, const void *restrict v_pool, int bf16,
-                              const int64_t *restrict tables, const int64_t *restrict lens, int64_t n, int64_t width,
-                              int64_t block, int64_t h, int64_t kvh, int64_t d, float scale, int threads,
-                              float *restrict out) {
+int layerline_paged_attention(const float *restrict q, const void *restrict k_pool, const void *restrict v_pool,
+                              int bf16, const int64_t *restrict tables, const int64_t *restrict lens, int64_t n,
+                              int64_t width, int64_t block, int64_t h, int64_t kvh, int64_t d, float scale,
+                              int threads, float *restrict out) {
     if (n == 0) return 0;
     int64_t longest = 0;
     for (int64_t s = 0; s < n; ++s) longest = lens[s] > longest ? lens[s] : longest;
@@ -129,8 +129,8 @@ int layerline_paged_attention(const float *restrict q, const void *restrict k_po
 #pragma omp for schedule(static)
         for (int64_t s = 0; s < n; ++s) {
             if (scores != NULL)
-                attend(q + s * h * d, k_pool, v_pool, bf16, tables + s * width, lens[s], block, h, kvh, d, scale, scores,
-                       out + s * h * d);
+                attend(q + s * h * d, k_pool, v_pool, bf16, tables + s * width, lens[s], block, h, kvh, d, scale,
+                       scores, out + s * h * d);
         }
         free(scores);
     }
