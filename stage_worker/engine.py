@@ -27,6 +27,7 @@ from layerline.shared.sampling import SamplingParams
 
 from .kv_cache import KVCacheExhausted, PagedKVCache
 from .llama import StageModel
+from .native import POOL_DTYPES
 from .paged_attention import compiled_kernel
 from .sampler import Draw, sample
 from .speculation import logit_rows, verify
@@ -96,7 +97,7 @@ class StageEngine:
         # A step runs on this stage's share of the cores, and one alone on its chain on the
         # cores of the whole chain: the chain's other stages wait for it meanwhile.
         self.max_threads = max_threads or torch.get_num_threads()
-        if cache.device.type == "cpu" and cache.dtype in (torch.float32, torch.bfloat16):
+        if cache.device.type == "cpu" and cache.dtype in POOL_DTYPES:
             compiled_kernel()  # the decode batch's attention kernel compiled (or found) now, not at the first step
         self.prefill_threads = prefill_threads or self.max_threads
         model.set_threads(torch.get_num_threads())  # and again each time `_use_threads` changes it
