@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from layerline.stage_worker import native, paged_attention
-from layerline.stage_worker.kv_cache import CacheShape, PagedKVCache
+from layerline.stage_worker.kv_cache import CacheShape, PagedKVCache, StepLayout
 from layerline.stage_worker.llama import gathered_decode_attention
 
 pytestmark = pytest.mark.timeout(120)
@@ -38,25 +38,31 @@ def fresh_choice():
     paged_attention.compiled_kernel.cache_clear()
 
 
+def uneven_batch(lengths: list[int], *, dtype: torch.dtype, seed: int) -> tuple[PagedKVCache, StepLayout]:
+    """Sequences of `lengths` positions (the last one this step's) in blocks of 16 with SmolLM2's
+    kv heads, every slot random, and the layout of their decode step."""
+    cache = PagedKVCache(CacheShape(700, 16, 3, 64), layer_ids=range(1), dtype=dtype)
+    names = [f"s{i}" for i in range(len(lengths))]
+    for name, length in zip(names, lengths, strict=True):
+        cache.reserve(name, length - 1)
+        cache.plan_step([name], [length - 1])
+    generator = torch.Generator().manual_seed(seed)
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=generator))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=generator))
+    for name in names:
+        cache.reserve(name, 1)
+    layout = cache.plan_step(names, [1] * len(names))
+    assert layout.decode_lens.tolist() == lengths
+    return cache, layout
+
+
 @needs_compiler
 @pytest.mark.parametrize("threads", [1, 2])
 def test_long_and_uneven_contexts_equal_the_gather(home, threads):
     """32 sequences of 1-300 positions in blocks of 16, SmolLM2's heads, on one and two threads."""
     kernel = native.load()
-    lengths = [1 + (i * 97) % 300 for i in range(32)]
-    cache = PagedKVCache(CacheShape(700, 16, 3, 64), layer_ids=range(1), dtype=torch.float32)
-    names = [f"s{i}" for i in range(32)]
-    for name, length in zip(names, lengths, strict=True):
-        cache.reserve(name, length - 1)
-        cache.plan_step([name], [length - 1])
-    generator = torch.Generator().manual_seed(3)
-    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=generator))
-    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=generator))
-    for name in names:
-        cache.reserve(name, 1)
-    layout = cache.plan_step(names, [1] * 32)
-    assert layout.decode_lens.tolist() == lengths
-    q = torch.randn(32, 9, 64, generator=generator)
+    cache, layout = uneven_batch([1 + (i * 97) % 300 for i in range(32)], dtype=torch.float32, seed=3)
+    q = torch.randn(32, 9, 64, generator=torch.Generator().manual_seed(3))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -72,19 +78,8 @@ def test_bfloat16_pools_are_widened_as_they_are_read(home):
     """Bfloat16 pools give float32 attention over the same values, rounded once at the end to the
     query's dtype: 32 sequences of 1-300 positions, SmolLM2's heads."""
     kernel = native.load()
-    lengths = [1 + (i * 89) % 300 for i in range(32)]
-    cache = PagedKVCache(CacheShape(700, 16, 3, 64), layer_ids=range(1), dtype=torch.bfloat16)
-    names = [f"s{i}" for i in range(32)]
-    for name, length in zip(names, lengths, strict=True):
-        cache.reserve(name, length - 1)
-        cache.plan_step([name], [length - 1])
-    generator = torch.Generator().manual_seed(4)
-    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=generator))
-    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=generator))
-    for name in names:
-        cache.reserve(name, 1)
-    layout = cache.plan_step(names, [1] * 32)
-    q = torch.randn(32, 9, 64, generator=generator).to(torch.bfloat16)
+    cache, layout = uneven_batch([1 + (i * 89) % 300 for i in range(32)], dtype=torch.bfloat16, seed=4)
+    q = torch.randn(32, 9, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     batch = native.decode_batch(layout.decode_blocks, layout.decode_lens, block=16, slots=700 * 16)
     out = kernel(q, cache.k[0], cache.v[0], batch)
     assert out.dtype == torch.bfloat16 and out.shape == (32, 9 * 64)
