@@ -8,7 +8,9 @@
  * One sequence per iteration: its keys and values are read block by block where the pools hold
  * them (a block's rows of every kv head are contiguous), never gathered into a copy. For each
  * query head: scores = q . k * scale over the sequence's own length, a softmax (max subtracted,
- * normalized by one reciprocal), and the weighted sum of the value rows.
+ * normalized by one reciprocal), and the weighted sum of the value rows. A sequence's blocks lie
+ * anywhere in the pools, so while one block is read the next one's lines are asked for ahead
+ * (`fetch`): between two layers' calls the weights' products have pushed the pools out of the caches.
  *
  * The pools hold float32 or bfloat16 (`bf16`); the queries, the scores, the softmax and the sums
  * are float32 either way: a bfloat16 key or value is widened exactly as it is read.
@@ -40,6 +42,12 @@ static inline float exp_nonpositive(float x) {
     union { float f; int32_t i; } u = { .f = p };
     u.i += (int32_t)((uint32_t)(int32_t)n << 23); /* n >= -126: the exponent stays normal */
     return u.f;
+}
+
+/* Asks for the cache lines of `bytes` from `p` ahead of their use: the next block of a sequence
+ * lies anywhere in its pool, where the hardware's prefetcher cannot guess it. */
+static inline void fetch(const char *p, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
 }
 
 /* A bfloat16's float32 value: its 16 bits are the float's upper half. */
@@ -77,17 +85,25 @@ static inline void axpy(float *restrict o, float w, const void *restrict v, int6
 }
 
 /* One sequence of `len` positions whose blocks are `table`: out [h, d] from q [h, d]. `scores`
- * holds h * len floats. Query head j reads kv head j / (h / kvh). */
-static void attend(const float *restrict q, const char *restrict k_pool, const char *restrict v_pool, int bf16,
-                   const int64_t *restrict table, int64_t len, int64_t block, int64_t h, int64_t kvh, int64_t d,
-                   float scale, float *restrict scores, float *restrict out) {
+ * holds h * len floats. Query heads g * group .. g * group + group - 1 read kv head g. Inlined into
+ * `attend_one` once for each head size and pool dtype it names, so that those loops run on
+ * constants (no remainder loops, no dtype test per row). */
+static inline __attribute__((always_inline)) void attend(const float *restrict q, const char *restrict k_pool,
+                                                         const char *restrict v_pool, const int bf16,
+                                                         const int64_t *restrict table, int64_t len, int64_t block,
+                                                         int64_t h, int64_t kvh, const int64_t d, float scale,
+                                                         float *restrict scores, float *restrict out) {
     const int64_t group = h / kvh, size = bf16 ? 2 : 4, row = kvh * d * size; /* row: bytes */
     for (int64_t b = 0, p0 = 0; p0 < len; ++b, p0 += block) {
         const int64_t n = len - p0 < block ? len - p0 : block;
         const char *keys = k_pool + table[b] * block * row;
-        for (int64_t t = 0; t < n; ++t)
-            for (int64_t j = 0; j < h; ++j)
-                scores[j * len + p0 + t] = dot(q + j * d, keys + t * row + j / group * d * size, d, bf16) * scale;
+        const char *next = p0 + block < len ? k_pool + table[b + 1] * block * row : v_pool + table[0] * block * row;
+        for (int64_t t = 0; t < n; ++t) {
+            fetch(next + t * row, row);
+            for (int64_t g = 0; g < kvh; ++g)
+                for (int64_t j = g * group; j < (g + 1) * group; ++j)
+                    scores[j * len + p0 + t] = dot(q + j * d, keys + t * row + g * d * size, d, bf16) * scale;
+        }
     }
     for (int64_t j = 0; j < h; ++j) {
         float *s = scores + j * len, top = -FLT_MAX, sum = 0.f;
@@ -105,10 +121,28 @@ static void attend(const float *restrict q, const char *restrict k_pool, const c
     for (int64_t b = 0, p0 = 0; p0 < len; ++b, p0 += block) {
         const int64_t n = len - p0 < block ? len - p0 : block;
         const char *values = v_pool + table[b] * block * row;
-        for (int64_t t = 0; t < n; ++t)
-            for (int64_t j = 0; j < h; ++j)
-                axpy(out + j * d, scores[j * len + p0 + t], values + t * row + j / group * d * size, d, bf16);
+        const char *next = p0 + block < len ? v_pool + table[b + 1] * block * row : NULL;
+        for (int64_t t = 0; t < n; ++t) {
+            if (next) fetch(next + t * row, row);
+            for (int64_t g = 0; g < kvh; ++g)
+                for (int64_t j = g * group; j < (g + 1) * group; ++j)
+                    axpy(out + j * d, scores[j * len + p0 + t], values + t * row + g * d * size, d, bf16);
+        }
     }
+}
+
+/* `attend` on constants where it can: head sizes 64 and 128, each pool dtype. */
+static void attend_one(const float *restrict q, const char *restrict k_pool, const char *restrict v_pool, int bf16,
+                       const int64_t *restrict table, int64_t len, int64_t block, int64_t h, int64_t kvh, int64_t d,
+                       float scale, float *restrict scores, float *restrict out) {
+#define ATTEND(BF16, D) attend(q, k_pool, v_pool, BF16, table, len, block, h, kvh, D, scale, scores, out)
+    if (d == 64)
+        bf16 ? ATTEND(1, 64) : ATTEND(0, 64);
+    else if (d == 128)
+        bf16 ? ATTEND(1, 128) : ATTEND(0, 128);
+    else
+        bf16 ? ATTEND(1, d) : ATTEND(0, d);
+#undef ATTEND
 }
 
 /* q [n, h, d] float32; k_pool, v_pool [slots, kvh, d], bfloat16 if `bf16` else float32; tables
@@ -129,8 +163,8 @@ int layerline_paged_attention(const float *restrict q, const void *restrict k_po
 #pragma omp for schedule(static)
         for (int64_t s = 0; s < n; ++s) {
             if (scores != NULL)
-                attend(q + s * h * d, k_pool, v_pool, bf16, tables + s * width, lens[s], block, h, kvh, d, scale,
-                       scores, out + s * h * d);
+                attend_one(q + s * h * d, k_pool, v_pool, bf16, tables + s * width, lens[s], block, h, kvh, d, scale,
+                           scores, out + s * h * d);
         }
         free(scores);
     }
