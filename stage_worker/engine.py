@@ -28,7 +28,7 @@ from layerline.shared.sampling import SamplingParams
 from .kv_cache import KVCacheExhausted, PagedKVCache
 from .llama import StageModel
 from .native import POOL_DTYPES
-from .paged_attention import compiled_kernel
+from .paged_attention import compiled_kernel, rotary_kernel
 from .sampler import Draw, sample
 from .speculation import logit_rows, verify
 
@@ -99,6 +99,7 @@ class StageEngine:
         self.max_threads = max_threads or torch.get_num_threads()
         if cache.device.type == "cpu" and cache.dtype in POOL_DTYPES:
             compiled_kernel()  # the decode batch's attention kernel compiled (or found) now, not at the first step
+            rotary_kernel()  # and its rotary checked
         self.prefill_threads = prefill_threads or self.max_threads
         model.set_threads(torch.get_num_threads())  # and again each time `_use_threads` changes it
 

@@ -27,7 +27,7 @@ from torch import nn
 from layerline.shared.model_config import LayerRange, ModelConfig, RopeConfig
 
 from .kv_cache import PagedKVCache, StepLayout
-from .paged_attention import paged_decode_attention, reads_pools
+from .paged_attention import paged_decode_attention, reads_pools, rotated_and_stored
 from .parallel import SINGLE_RANK, TensorParallel
 from .sharding import Shards, shards_for
 
@@ -127,6 +127,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t, h, kvh = x.shape[0], self.heads_per_rank, self.kv_heads_per_rank
         qkv = self.qkv_proj(x).view(t, h + 2 * kvh, self.head_dim)  # [T, h + 2 kvh, d]
+        if layout.decode_only and layout.decode_slots is None:  # rotary and KV writes in one kernel call
+            q = rotated_and_stored(qkv, cos, sin, k_pool, v_pool, heads=h, layout=layout)
+            if q is not None:
+                return self.tp.all_reduce(self.o_proj(batch_decode_attention(q, k_pool, v_pool, layout=layout)))
         qk, v = qkv.split([h + kvh, kvh], dim=1)
         qk = qk * cos + swap_halves(qk) * sin  # rotary on q and k at once (sin signed): [T, h + kvh, d]
         q, k = qk.split([h, kvh], dim=1)  # q [T, h, d]; k, v [T, kvh, d]

@@ -1,4 +1,7 @@
-"""The stage's compiled CPU kernel: C shipped in kernels/, compiled once per machine, called via ctypes.
+"""The stage's compiled CPU kernels: C shipped in kernels/, compiled once per machine, called via ctypes.
+
+One library, two functions: a decode batch's attention off the paged pools (`PagedAttentionKernel`
+called), and its rotary with the new keys and values written to the pools (`rotate_and_store`).
 
 Owns finding a C compiler ($CC, else `cc`, else `gcc`), compiling kernels/paged_attention.c for
 the CPU it runs on (`-O3 -march=native -fopenmp`; without `-march=native` where the compiler
@@ -80,14 +83,82 @@ def decode_batch(tables: torch.Tensor, lens: torch.Tensor, *, block: int, slots:
     return DecodeBatch(tables, lens, block, slots)
 
 
+@dataclass(frozen=True)
+class WriteSlots:
+    """The pool rows a step's new keys and values go to, checked once a step against the pools' size."""
+
+    slots: torch.Tensor  # [n] int64, contiguous
+    pool_slots: int  # rows per pool
+
+
+def write_slots(slots: torch.Tensor, *, pool_slots: int) -> WriteSlots:
+    """`slots` as `rotate_and_store` may write them: ValueError if one lies outside the pools."""
+    slots = slots.to("cpu", torch.int64).contiguous()
+    if slots.dim() != 1:
+        raise ValueError(f"write slots must be one row of indices, not {tuple(slots.shape)}")
+    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= pool_slots):
+        raise ValueError(f"write slots must lie in 0..{pool_slots - 1}")
+    return WriteSlots(slots, pool_slots)
+
+
 class PagedAttentionKernel:
-    """The compiled kernel of kernels/paged_attention.c, loaded from `path`."""
+    """The compiled kernels of kernels/paged_attention.c, loaded from `path`."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._fn = ctypes.CDLL(str(path)).layerline_paged_attention
+        library = ctypes.CDLL(str(path))
+        self._fn = library.layerline_paged_attention
         self._fn.argtypes = [_P, _P, _P, ctypes.c_int, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int, _P]
         self._fn.restype = ctypes.c_int
+        self._store = library.layerline_rotate_and_store
+        self._store.argtypes = [_P, _P, _P, _P, ctypes.c_int, _I, _I, _I, _I, ctypes.c_int, _P, _P, _P]
+        self._store.restype = None
+
+    def rotate_and_store(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        slots: WriteSlots,
+        *,
+        heads: int,
+    ) -> torch.Tensor:
+        """Rotary on a step's queries and keys, qkv [n, heads + 2 kvh, d] (rows q | k | v), with
+        cos and the signed sin [n, 1, d]; the rotated keys and the values written to pool rows
+        `slots` of the [slots, kvh, d] pools. Returns the rotated queries [n, heads, d]. All one
+        dtype (float32 or bfloat16), on the CPU, contiguous; the same numbers as torch's
+        `qk * cos + swap_halves(qk) * sin` and `index_copy_`."""
+        n, rows, d = qkv.shape
+        pool_slots, kvh, pool_d = k_pool.shape
+        if rows != heads + 2 * kvh or pool_d != d or d % 2 or v_pool.shape != k_pool.shape:
+            raise ValueError(f"qkv {tuple(qkv.shape)} with {heads} heads and pools {tuple(k_pool.shape)} do not fit")
+        if cos.shape != (n, 1, d) or sin.shape != cos.shape or slots.slots.shape != (n,):
+            shapes = f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)}"
+            raise ValueError(f"{shapes} and {slots.slots.numel()} slots for {n} rows")
+        if slots.pool_slots != pool_slots:
+            raise ValueError(f"write slots checked against {slots.pool_slots} pool rows, not {pool_slots}")
+        for t in (qkv, cos, sin, k_pool, v_pool):
+            if t.dtype != qkv.dtype or t.dtype not in POOL_DTYPES or t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError("rotary takes contiguous float32 or bfloat16 CPU tensors, all of one dtype")
+        q = torch.empty(n, heads, d, dtype=qkv.dtype)
+        self._store(
+            qkv.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.slots.data_ptr(),
+            qkv.dtype == torch.bfloat16,
+            n,
+            heads,
+            kvh,
+            d,
+            torch.get_num_threads(),
+            q.data_ptr(),
+            k_pool.data_ptr(),
+            v_pool.data_ptr(),
+        )
+        return q
 
     def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
         """Attention of one new token per sequence: q [n, h, d] over the [slots, kvh, d] pools

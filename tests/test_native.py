@@ -14,7 +14,7 @@ import torch
 
 from layerline.stage_worker import native, paged_attention
 from layerline.stage_worker.kv_cache import CacheShape, PagedKVCache, StepLayout
-from layerline.stage_worker.llama import gathered_decode_attention
+from layerline.stage_worker.llama import gathered_decode_attention, swap_halves
 
 pytestmark = pytest.mark.timeout(120)
 needs_compiler = pytest.mark.skipif(
@@ -227,3 +227,80 @@ def test_a_kernel_that_answers_nan_is_not_used(monkeypatch, fresh_choice):
 
     monkeypatch.setattr(native, "load", Nan)
     assert paged_attention.compiled_kernel() is None
+
+
+def rotary_step(n: int, *, heads: int, kv_heads: int, d: int, dtype: torch.dtype, seed: int):
+    """qkv of `n` rows, the rotary of positions far apart (cos and the signed sin as llama.py
+    makes them) and zeroed pools of 40 slots."""
+    generator = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(n, heads + 2 * kv_heads, d, generator=generator) * 30).to(dtype)
+    angles = torch.randint(0, 30000, (n, 1), generator=generator).float() * torch.rand(d // 2, generator=generator)
+    cos = torch.cat((angles.cos(), angles.cos()), dim=-1)[:, None, :].to(dtype)
+    sin = torch.cat((-angles.sin(), angles.sin()), dim=-1)[:, None, :].to(dtype)
+    pools = torch.zeros(40, kv_heads, d, dtype=dtype), torch.zeros(40, kv_heads, d, dtype=dtype)
+    return qkv, cos, sin, pools
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "heads", "kv_heads", "d"), [(32, 9, 3, 64), (3, 4, 4, 16), (40, 6, 1, 128)])
+def test_rotary_and_stores_are_torchs_numbers(home, dtype, n, heads, kv_heads, d):
+    """Bit for bit what llama.py's operations give: q * cos + swap_halves(q) * sin for the queries
+    and keys (each product and the sum rounded to the dtype), the keys and values written to the
+    step's slots, and no other pool row touched. 40 rows of 1920 go through the parallel loop."""
+    kernel = native.load()
+    qkv, cos, sin, (k_pool, v_pool) = rotary_step(n, heads=heads, kv_heads=kv_heads, d=d, dtype=dtype, seed=n)
+    slots = torch.randperm(40)[:n]
+    q = kernel.rotate_and_store(qkv, cos, sin, k_pool, v_pool, native.write_slots(slots, pool_slots=40), heads=heads)
+    qk, v = qkv.split([heads + kv_heads, kv_heads], dim=1)
+    rotated = qk * cos + swap_halves(qk) * sin
+    assert torch.equal(q, rotated[:, :heads]) and q.is_contiguous()
+    assert torch.equal(k_pool[slots], rotated[:, heads:]) and torch.equal(v_pool[slots], v)
+    untouched = torch.ones(40, dtype=torch.bool).index_fill_(0, slots, False)
+    assert not k_pool[untouched].any() and not v_pool[untouched].any()
+
+
+@needs_compiler
+def test_rotary_refuses_slots_outside_the_pools_and_unlike_tensors(home):
+    kernel = native.load()
+    qkv, cos, sin, (k_pool, v_pool) = rotary_step(2, heads=4, kv_heads=2, d=16, dtype=torch.float32, seed=0)
+    with pytest.raises(ValueError, match=r"0\.\.39"):
+        native.write_slots(torch.tensor([3, 40]), pool_slots=40)
+    with pytest.raises(ValueError, match=r"0\.\.39"):
+        native.write_slots(torch.tensor([-1, 2]), pool_slots=40)
+    slots = native.write_slots(torch.tensor([3, 5]), pool_slots=40)
+    with pytest.raises(ValueError, match="checked against 40 pool rows, not 20"):
+        kernel.rotate_and_store(qkv, cos, sin, k_pool[:20], v_pool[:20], slots, heads=4)
+    with pytest.raises(ValueError, match="all of one dtype"):
+        kernel.rotate_and_store(qkv, cos.to(torch.bfloat16), sin, k_pool, v_pool, slots, heads=4)
+    with pytest.raises(ValueError, match="with 5 heads"):
+        kernel.rotate_and_store(qkv, cos, sin, k_pool, v_pool, slots, heads=5)
+    with pytest.raises(ValueError, match="3 slots for 2 rows"):
+        kernel.rotate_and_store(
+            qkv, cos, sin, k_pool, v_pool, native.write_slots(torch.tensor([1, 2, 3]), pool_slots=40), heads=4
+        )
+    assert not k_pool.any() and not v_pool.any()  # nothing refused wrote anything
+
+
+def test_a_kernel_whose_rotary_rounds_otherwise_leaves_rotary_to_torch(monkeypatch, caplog):
+    """A build that fused a multiply-add (one rounding, not three) would give other numbers than
+    the modules': the stage keeps torch's operations for rotary then, and says so."""
+
+    class Fused:
+        path = Path("fused.so")
+
+        def rotate_and_store(self, qkv, cos, sin, k_pool, v_pool, slots, *, heads):
+            qk = qkv[:, : qkv.shape[1] - k_pool.shape[1]].float()
+            out = torch.addcmul(qk * cos.float(), swap_halves(qk), sin.float()).to(qkv.dtype)
+            k_pool.index_copy_(0, slots.slots, out[:, heads:])
+            v_pool.index_copy_(0, slots.slots, qkv[:, qk.shape[1] :])
+            return out[:, :heads].contiguous()
+
+    monkeypatch.setattr(paged_attention, "compiled_kernel", Fused)
+    paged_attention.rotary_kernel.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert paged_attention.rotary_kernel() is None
+    finally:
+        paged_attention.rotary_kernel.cache_clear()
+    assert "does not round as torch does" in caplog.text

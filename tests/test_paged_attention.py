@@ -10,13 +10,15 @@ import shutil
 import pytest
 import torch
 
+from layerline.shared.model_config import LayerRange, ModelConfig
 from layerline.stage_worker.kv_cache import CacheShape, PagedKVCache, StepLayout
-from layerline.stage_worker.llama import batch_decode_attention, gathered_decode_attention
+from layerline.stage_worker.llama import StageModel, batch_decode_attention, gathered_decode_attention
 from layerline.stage_worker.paged_attention import (
     bag_indices,
     bagged_decode_attention,
     compiled_kernel,
     paged_decode_attention,
+    rotary_kernel,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -44,6 +46,7 @@ def pools_path(request, monkeypatch, kernel_home):
         monkeypatch.setattr("layerline.stage_worker.paged_attention.compiled_kernel", lambda: None)
     yield request.param
     compiled_kernel.cache_clear()
+    rotary_kernel.cache_clear()
 
 
 def scattered_batch(lengths: list[int], *, kv_heads: int, block_size: int = 4) -> tuple[PagedKVCache, StepLayout]:
@@ -133,3 +136,31 @@ def test_bfloat16_takes_the_pools_path_with_the_kernel_and_the_gather_without(mo
     compiled = [torch.float32, torch.bfloat16] if pools_path == "compiled" else [torch.float32]
     assert taken == compiled and out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), full, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_layer_through_the_kernels_rotary_is_torchs_to_the_bit(pools_path, dtype, monkeypatch):
+    """An attention layer's decode batch with rotary and the KV writes in the compiled kernel
+    gives exactly what it gives through torch's operations: the same attention follows either
+    way, so the layer's output and both pools are equal to the bit."""
+    config = ModelConfig.from_dict(
+        {"model_type": "llama", "vocab_size": 64, "hidden_size": 72, "intermediate_size": 96, "num_hidden_layers": 1,
+         "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 8, "rms_norm_eps": 1e-5}
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = StageModel(config, LayerRange(0, 1)).to(dtype)
+    attention = model.layers["0"].self_attn
+    cache, layout = scattered_batch([4, 7, 1], kv_heads=3)
+    x = torch.randn(3, 72, dtype=dtype)
+    cos, sin = model.rope(layout.positions, dtype)
+    rotary_kernel.cache_clear()
+    assert (rotary_kernel() is not None) == (pools_path == "compiled")
+    outs = []
+    for rotary in ("kernel", "torch"):
+        if rotary == "torch":
+            monkeypatch.setattr("layerline.stage_worker.paged_attention.rotary_kernel", lambda: None)
+        k_pool, v_pool = cache.k[0].to(dtype), cache.v[0].to(dtype)
+        with torch.inference_mode():
+            out = attention(x, cos, sin, k_pool=k_pool, v_pool=v_pool, layout=dataclasses.replace(layout, memo={}))
+        outs.append((out, k_pool, v_pool))
+    assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))

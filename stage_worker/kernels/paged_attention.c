@@ -15,6 +15,9 @@
  * The pools hold float32 or bfloat16 (`bf16`); the queries, the scores, the softmax and the sums
  * are float32 either way: a bfloat16 key or value is widened exactly as it is read.
  *
+ * `layerline_rotate_and_store`, at the end, is the step before: rotary on the decode batch's
+ * queries and keys and its new keys and values written to the pools, rounded as torch rounds.
+ *
  * The caller (native.py) checks every shape, dtype, stride and index before the call: this code
  * trusts them. Returns 0, or 1 when a thread's buffer of scores could not be allocated (`out` is then
  * incomplete).
@@ -169,4 +172,56 @@ int layerline_paged_attention(const float *restrict q, const void *restrict k_po
         free(scores);
     }
     return failed;
+}
+
+/* A float32's nearest bfloat16, ties to even (NaN stays a quiet NaN), as torch rounds. */
+static inline uint16_t narrow(float f) {
+    union { float f; uint32_t u; } x = { .f = f };
+    if ((x.u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
+}
+
+/* Rotary on the queries and keys of a step's rows, and the keys and values stored in the pools.
+ * qkv [n, h + 2 kvh, d]; cos and the signed sin [n, d]; q_out [n, h, d]; pools [slots, kvh, d];
+ * all float32, or all bfloat16 if `bf16`, contiguous. Row r's rotated keys and its values go to
+ * pool row slots[r]. Each rotated element is x * cos + x' * sin, x' the element half a head away,
+ * rounded as torch's elementwise kernels round: each product, then the sum, to the dtype. No
+ * multiply-add is fused (the attribute and pragma below): that would round once, not three times. */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+void layerline_rotate_and_store(const void *restrict qkv, const void *restrict cos, const void *restrict sin,
+                                const int64_t *restrict slots, int bf16, int64_t n, int64_t h, int64_t kvh,
+                                int64_t d, int threads, void *restrict q_out, void *restrict k_pool,
+                                void *restrict v_pool) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+    const int64_t half = d / 2, width = (h + 2 * kvh) * d;
+#pragma omp parallel for num_threads(threads) schedule(static) if (n * width >= 16384)
+    for (int64_t r = 0; r < n; ++r) {
+        for (int64_t j = 0; j < h + kvh; ++j) {
+            const int64_t at = r * width + j * d; /* this head's row in qkv */
+            const int64_t to = j < h ? (r * h + j) * d : (slots[r] * kvh + j - h) * d;
+            if (bf16) {
+                const uint16_t *x = (const uint16_t *)qkv + at, *c = (const uint16_t *)cos + r * d,
+                               *s = (const uint16_t *)sin + r * d;
+                uint16_t *o = (uint16_t *)(j < h ? q_out : k_pool) + to;
+                for (int64_t i = 0; i < d; ++i) {
+                    const float a = widen(narrow(widen(x[i]) * widen(c[i])));
+                    const float b = widen(narrow(widen(x[i < half ? i + half : i - half]) * widen(s[i])));
+                    o[i] = narrow(a + b);
+                }
+            } else {
+                const float *x = (const float *)qkv + at, *c = (const float *)cos + r * d,
+                            *s = (const float *)sin + r * d;
+                float *o = (float *)(j < h ? q_out : k_pool) + to;
+                for (int64_t i = 0; i < half; ++i) o[i] = x[i] * c[i] + x[i + half] * s[i];
+                for (int64_t i = half; i < d; ++i) o[i] = x[i] * c[i] + x[i - half] * s[i];
+            }
+        }
+        const int64_t size = bf16 ? 2 : 4;
+        memcpy((char *)v_pool + slots[r] * kvh * d * size, (const char *)qkv + (r * width + (h + kvh) * d) * size,
+               (size_t)(kvh * d * size));
+    }
 }
