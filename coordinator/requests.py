@@ -32,7 +32,7 @@ MAX_ROLE_BYTES = 64  # of a chat message's role ("system", "user", "assistant", 
 @dataclass(frozen=True)
 class Admission:
     max_active: int  # sequences generating at once, over all chains
-    max_queued: int  # requests waiting (to be tokenized, for a slot); past it RESOURCE_EXHAUSTED
+    max_queued: int  # requests beyond max_active waiting (to be tokenized, for a slot); past it RESOURCE_EXHAUSTED
     rate_limit: float  # new requests admitted per second
     default_max_tokens: int  # when a request does not say
     max_context: int  # prompt plus generated tokens at most

@@ -129,9 +129,14 @@ class Serving:
         sampling, max_tokens, stop = self.checked(request)
         speculate = self.speculate if request.speculate is None else request.speculate
         observed.set_sampling(sampling, max_tokens=max_tokens)
-        if self.queued >= self.admission.max_queued:
+        # Every slot taken and max_queued more on their way to one (tokenizing or waiting): a request
+        # tokenizing while a slot is free is headed for that slot, so a burst admits max_active + max_queued
+        # however fast its first requests tokenize.
+        limit = self.admission.max_active + self.admission.max_queued
+        if self.active + self.queued >= limit:
             raise QueueFull(
-                f"{self.queued} requests already wait (max_queued = {self.admission.max_queued}); retry later"
+                f"{self.active} requests generate and {self.queued} wait (max_active = {self.admission.max_active}, "
+                f"max_queued = {self.admission.max_queued}); retry later"
             )
         self.queued += 1
         try:

@@ -183,12 +183,42 @@ def test_a_full_queue_refuses_before_tokenizing(real_text: TextModel) -> None:
     spied = Spied(real_text)
 
     async def main() -> Outcome:
-        async with coordinator(spied.text, max_queued=0) as stub:
+        async with coordinator(spied.text, max_active=0, max_queued=0) as stub:
             return await outcome(generate(stub, "Once upon a time"))
 
     code, details = asyncio.run(main())
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_queued = 0" in details
     assert spied.threads == []
+
+
+def test_a_burst_admits_the_slots_and_the_queue_however_slowly_it_tokenizes(real_text: TextModel) -> None:
+    """max_active 2 + max_queued 2 admit 4 of a burst of 6 even while its first prompts are still being
+    tokenized: a request tokenizing with a slot free is headed for that slot, not waiting."""
+    tokenizing = threading.Event()  # held until the whole burst has reached the door
+
+    class Slow(type(real_text)):  # type: ignore[misc]
+        def encode(self, prompt: str) -> list[int]:
+            tokenizing.wait(timeout=30)
+            return super().encode(prompt)
+
+    slow = Slow(**{f.name: getattr(real_text, f.name) for f in dataclasses.fields(real_text)})
+
+    async def main() -> list[Outcome]:
+        async with coordinator(slow, max_active=2, max_queued=2) as stub:
+            calls = [asyncio.ensure_future(outcome(generate(stub, "Once upon a time"))) for _ in range(6)]
+            for _ in range(300):  # the refusals come at once; the admitted calls wait for their tokens
+                if sum(c.done() for c in calls) >= 2:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)  # any further refusal would have come by now
+            tokenizing.set()
+            return list(await asyncio.gather(*calls))
+
+    outcomes = asyncio.run(main())
+    refused = [details for code, details in outcomes if code == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert len(refused) == 2, outcomes
+    assert all("max_active = 2, max_queued = 2" in details for details in refused), refused
+    assert sum(map(no_chain, outcomes)) == 4, outcomes
 
 
 def test_a_prompt_over_the_token_cap_is_refused(real_text: TextModel) -> None:

@@ -235,7 +235,7 @@ def test_a_call_refused_at_the_door_is_made_again_after_the_retry_hint(
     waited, done, seconds = asyncio.run(main())
     assert (waited, done) == (4, 4)
     assert len(retries()) == 1 and retries()[0].startswith("RESOURCE_EXHAUSTED: "), retries()
-    assert "(max_queued = 1)" in retries()[0] and retries()[0].endswith("retry 1 of 3 in 1.00 s")
+    assert "(max_active = 1, max_queued = 1)" in retries()[0] and retries()[0].endswith("retry 1 of 3 in 1.00 s")
     assert seconds >= 1.0  # it waited the hint, not the 0.1-0.2 s of a first backoff
 
 
