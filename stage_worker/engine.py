@@ -28,6 +28,7 @@ from layerline.shared.sampling import SamplingParams
 from .kv_cache import KVCacheExhausted, PagedKVCache
 from .llama import StageModel
 from .native import POOL_DTYPES
+from .norms import norm_kernel
 from .paged_attention import compiled_kernel, rotary_kernel
 from .sampler import Draw, sample
 from .speculation import logit_rows, verify
@@ -100,6 +101,7 @@ class StageEngine:
         if cache.device.type == "cpu" and cache.dtype in POOL_DTYPES:
             compiled_kernel()  # the decode batch's attention kernel compiled (or found) now, not at the first step
             rotary_kernel()  # and its rotary checked
+            norm_kernel()  # and its RMSNorm
         self.prefill_threads = prefill_threads or self.max_threads
         model.set_threads(torch.get_num_threads())  # and again each time `_use_threads` changes it
 

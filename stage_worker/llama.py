@@ -27,18 +27,10 @@ from torch import nn
 from layerline.shared.model_config import LayerRange, ModelConfig, RopeConfig
 
 from .kv_cache import PagedKVCache, StepLayout
+from .norms import rms_norm
 from .paged_attention import paged_decode_attention, reads_pools, rotated_and_stored
 from .parallel import SINGLE_RANK, TensorParallel
 from .sharding import Shards, shards_for
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension, as transformers computes it."""
-    if x.dtype == torch.float32 == weight.dtype:  # one call, the same numbers (no casts)
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    # Normalized in float32, then cast, then scaled: the order transformers uses.
-    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
-    return weight * normed.to(x.dtype)
 
 
 class RMSNorm(nn.Module):

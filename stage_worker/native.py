@@ -1,7 +1,8 @@
 """The stage's compiled CPU kernels: C shipped in kernels/, compiled once per machine, called via ctypes.
 
-One library, two functions: a decode batch's attention off the paged pools (`PagedAttentionKernel`
-called), and its rotary with the new keys and values written to the pools (`rotate_and_store`).
+One library, three functions: a decode batch's attention off the paged pools (`PagedAttentionKernel`
+called), its rotary with the new keys and values written to the pools (`rotate_and_store`), and
+RMSNorm (`rms_norm`).
 
 Owns finding a C compiler ($CC, else `cc`, else `gcc`), compiling kernels/paged_attention.c for
 the CPU it runs on (`-O3 -march=native -fopenmp`; without `-march=native` where the compiler
@@ -113,6 +114,40 @@ class PagedAttentionKernel:
         self._store = library.layerline_rotate_and_store
         self._store.argtypes = [_P, _P, _P, _P, ctypes.c_int, _I, _I, _I, _I, ctypes.c_int, _P, _P, _P]
         self._store.restype = None
+        self._norm = library.layerline_rms_norm
+        self._norm.argtypes = [_P, _P, ctypes.c_int, _I, _I, ctypes.c_float, ctypes.c_int, _P]
+        self._norm.restype = None
+
+    @staticmethod
+    def takes_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether `rms_norm` takes these: contiguous CPU tensors of one dtype (float32 or bfloat16), a
+        weight [n] for rows of n >= 8 (torch sums shorter rows another way), and nothing to differentiate."""
+        n = x.shape[-1] if x.dim() else 0
+        return (
+            n >= 8
+            and x.dtype == weight.dtype
+            and x.dtype in POOL_DTYPES
+            and x.device.type == "cpu" == weight.device.type
+            and weight.shape == (n,)
+            and x.is_contiguous()
+            and weight.is_contiguous()
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        )
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dimension of x [..., n] with weight [n], the numbers llama.py's
+        `rms_norm` gets from torch (float32; bfloat16 normalized in float32, cast, then scaled), in
+        one call. ValueError unless `takes_norm`."""
+        if not self.takes_norm(x, weight):
+            raise ValueError(
+                f"RMSNorm of {x.dtype} {tuple(x.shape)} by {weight.dtype} {tuple(weight.shape)}: not taken"
+            )
+        out = torch.empty_like(x)
+        n = x.shape[-1]
+        rows = x.numel() // n
+        bf16 = x.dtype == torch.bfloat16
+        self._norm(x.data_ptr(), weight.data_ptr(), bf16, rows, n, eps, torch.get_num_threads(), out.data_ptr())
+        return out
 
     def rotate_and_store(
         self,

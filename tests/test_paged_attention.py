@@ -13,6 +13,7 @@ import torch
 from layerline.shared.model_config import LayerRange, ModelConfig
 from layerline.stage_worker.kv_cache import CacheShape, PagedKVCache, StepLayout
 from layerline.stage_worker.llama import StageModel, batch_decode_attention, gathered_decode_attention
+from layerline.stage_worker.norms import norm_kernel
 from layerline.stage_worker.paged_attention import (
     bag_indices,
     bagged_decode_attention,
@@ -44,8 +45,10 @@ def pools_path(request, monkeypatch, kernel_home):
         assert compiled_kernel() is not None  # a compiler is here: the kernel must build and agree
     else:
         monkeypatch.setattr("layerline.stage_worker.paged_attention.compiled_kernel", lambda: None)
+    norm_kernel.cache_clear()
     yield request.param
     compiled_kernel.cache_clear()
+    norm_kernel.cache_clear()
     rotary_kernel.cache_clear()
 
 

@@ -23,6 +23,7 @@
  * incomplete).
  */
 #include <float.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -223,5 +224,95 @@ void layerline_rotate_and_store(const void *restrict qkv, const void *restrict c
         const int64_t size = bf16 ? 2 : 4;
         memcpy((char *)v_pool + slots[r] * kvh * d * size, (const char *)qkv + (r * width + (h + kvh) * d) * size,
                (size_t)(kvh * d * size));
+    }
+}
+
+/* Element i of a row of float32, or of bfloat16 widened (`bf16`). */
+static inline float element(const void *restrict x, int64_t i, int bf16) {
+    return bf16 ? widen(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+/* The sum of the squares of a row of n >= 8 elements, in the order torch's CPU sum reduces a
+ * contiguous row of squares (aten's SumKernel.cpp with vectors of 8: `vectorized_inner_sum`,
+ * `row_sum`, `multi_row_sum`): the vectors 4 at a time into 4 accumulators, cascaded through levels
+ * of 16 steps; any whole vector left into the first; the accumulators added in order; then the
+ * elements past the last whole vector and the 8 lanes, one after another. Each square is rounded
+ * before it is added (torch computes x.pow(2) first): no multiply-add fused, whoever inlines this. */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+static inline float torch_sum_of_squares(const void *restrict x, int64_t n, int bf16) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+    enum { LANES = 8, ILP = 4, LEVELS = 4 };
+    const int64_t vectors = n / LANES, steps = vectors / ILP;
+    int64_t ceil_log2 = 1; /* c10's CeilLog2(steps) */
+    while (((int64_t)1 << ceil_log2) < steps) ++ceil_log2;
+    const int64_t power = ceil_log2 / LEVELS > 4 ? ceil_log2 / LEVELS : 4, step = (int64_t)1 << power;
+    float acc[LEVELS][ILP][LANES] = {{{0}}};
+    int64_t i = 0;
+    while (i < steps) {
+        const int64_t end = i + step <= steps ? i + step : steps; /* a whole level's steps, else the rest */
+        const int whole = i + step <= steps;
+        for (; i < end; ++i)
+            for (int k = 0; k < ILP; ++k)
+                for (int l = 0; l < LANES; ++l) {
+                    const float v = element(x, (i * ILP + k) * LANES + l, bf16);
+                    acc[0][k][l] += v * v;
+                }
+        for (int level = 1; whole && level < LEVELS; ++level) {
+            for (int k = 0; k < ILP; ++k)
+                for (int l = 0; l < LANES; ++l) {
+                    acc[level][k][l] += acc[level - 1][k][l];
+                    acc[level - 1][k][l] = 0.0f;
+                }
+            if (i & ((step - 1) << (level * power))) break;
+        }
+    }
+    for (int level = 1; level < LEVELS; ++level)
+        for (int k = 0; k < ILP; ++k)
+            for (int l = 0; l < LANES; ++l) acc[0][k][l] += acc[level][k][l];
+    for (int64_t v = steps * ILP; v < vectors; ++v)
+        for (int l = 0; l < LANES; ++l) {
+            const float e = element(x, v * LANES + l, bf16);
+            acc[0][0][l] += e * e;
+        }
+    for (int k = 1; k < ILP; ++k)
+        for (int l = 0; l < LANES; ++l) acc[0][0][l] += acc[0][k][l];
+    float total = 0.0f;
+    for (int64_t e = vectors * LANES; e < n; ++e) {
+        const float v = element(x, e, bf16);
+        total += v * v;
+    }
+    for (int l = 0; l < LANES; ++l) total += acc[0][0][l];
+    return total;
+}
+
+/* RMSNorm of rows x [rows, n >= 8] with weight w [n] into out [rows, n], as llama.py's `rms_norm`
+ * gives it through torch: r = 1 / sqrt(sum(x^2) / n + eps) in float32, then w * (x * r), each
+ * product rounded; in bfloat16 (`bf16`: x, w and out) x widened, x * r rounded to bfloat16, and w
+ * times that rounded again. No multiply-add fused. */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+void layerline_rms_norm(const void *restrict x, const void *restrict w, int bf16, int64_t rows, int64_t n, float eps,
+                        int threads, void *restrict out) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= 65536)
+    for (int64_t r = 0; r < rows; ++r) {
+        if (bf16) {
+            const uint16_t *xr = (const uint16_t *)x + r * n, *wr = (const uint16_t *)w;
+            uint16_t *o = (uint16_t *)out + r * n;
+            const float scale = 1.0f / sqrtf(torch_sum_of_squares(xr, n, 1) / (float)n + eps);
+            for (int64_t i = 0; i < n; ++i) o[i] = narrow(widen(wr[i]) * widen(narrow(widen(xr[i]) * scale)));
+        } else {
+            const float *xr = (const float *)x + r * n, *wr = (const float *)w;
+            float *o = (float *)out + r * n;
+            const float scale = 1.0f / sqrtf(torch_sum_of_squares(xr, n, 0) / (float)n + eps);
+            for (int64_t i = 0; i < n; ++i) o[i] = wr[i] * (xr[i] * scale);
+        }
     }
 }
