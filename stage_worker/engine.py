@@ -25,10 +25,10 @@ import torch
 from layerline.shared.errors import InvalidInput
 from layerline.shared.sampling import SamplingParams
 
+from .fused import norm_kernel
 from .kv_cache import KVCacheExhausted, PagedKVCache
 from .llama import StageModel
 from .native import POOL_DTYPES
-from .norms import norm_kernel
 from .paged_attention import compiled_kernel, rotary_kernel
 from .sampler import Draw, sample
 from .speculation import logit_rows, verify

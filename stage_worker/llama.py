@@ -26,8 +26,8 @@ from torch import nn
 
 from layerline.shared.model_config import LayerRange, ModelConfig, RopeConfig
 
+from .fused import rms_norm, silu_mul
 from .kv_cache import PagedKVCache, StepLayout
-from .norms import rms_norm
 from .paged_attention import paged_decode_attention, reads_pools, rotated_and_stored
 from .parallel import SINGLE_RANK, TensorParallel
 from .sharding import Shards, shards_for
@@ -225,8 +225,8 @@ class MLP(nn.Module):
         self.down_proj: nn.Module = nn.Linear(intermediate_per_rank, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each [T, intermediate per rank]
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+        gate_up = self.gate_up_proj(x)  # [T, 2 x intermediate per rank]: gate | up
+        return self.tp.all_reduce(self.down_proj(silu_mul(gate_up)))
 
 
 class DecoderLayer(nn.Module):

@@ -1,8 +1,8 @@
 """The stage's compiled CPU kernels: C shipped in kernels/, compiled once per machine, called via ctypes.
 
-One library, three functions: a decode batch's attention off the paged pools (`PagedAttentionKernel`
-called), its rotary with the new keys and values written to the pools (`rotate_and_store`), and
-RMSNorm (`rms_norm`).
+One library, four functions: a decode batch's attention off the paged pools (`PagedAttentionKernel`
+called), its rotary with the new keys and values written to the pools (`rotate_and_store`),
+RMSNorm (`rms_norm`), and the MLP's SiLU of the gate times the up projection (`silu_mul`).
 
 Owns finding a C compiler ($CC, else `cc`, else `gcc`), compiling kernels/paged_attention.c for
 the CPU it runs on (`-O3 -march=native -fopenmp`; without `-march=native` where the compiler
@@ -117,6 +117,37 @@ class PagedAttentionKernel:
         self._norm = library.layerline_rms_norm
         self._norm.argtypes = [_P, _P, ctypes.c_int, _I, _I, ctypes.c_float, ctypes.c_int, _P]
         self._norm.restype = None
+        self._silu = library.layerline_silu_mul
+        self._silu.argtypes = [_P, ctypes.c_int, _I, _I, ctypes.c_int, _P]
+        self._silu.restype = None
+
+    @staticmethod
+    def takes_silu(gate_up: torch.Tensor) -> bool:
+        """Whether `silu_mul` takes `gate_up`: a contiguous float32 or bfloat16 CPU tensor whose halves
+        are a multiple of 32 wide (torch's vectorized loop covers them whole: no element on its
+        scalar path, which takes e^x from another function), and nothing to differentiate."""
+        width = gate_up.shape[-1] // 2 if gate_up.dim() else 0
+        return (
+            width > 0
+            and width % 32 == 0
+            and gate_up.shape[-1] == 2 * width
+            and gate_up.dtype in POOL_DTYPES
+            and gate_up.device.type == "cpu"
+            and gate_up.is_contiguous()
+            and not (torch.is_grad_enabled() and gate_up.requires_grad)
+        )
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """`F.silu(gate) * up` of gate_up [..., 2 w] (its halves gate | up): [..., w], the numbers
+        torch gives, in one call. ValueError unless `takes_silu`."""
+        if not self.takes_silu(gate_up):
+            raise ValueError(f"SiLU of {gate_up.dtype} {tuple(gate_up.shape)}: not taken")
+        width = gate_up.shape[-1] // 2
+        out = torch.empty(*gate_up.shape[:-1], width, dtype=gate_up.dtype)
+        bf16 = gate_up.dtype == torch.bfloat16
+        rows = gate_up.numel() // (2 * width)
+        self._silu(gate_up.data_ptr(), bf16, rows, width, torch.get_num_threads(), out.data_ptr())
+        return out
 
     @staticmethod
     def takes_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .fused import norm_kernel, silu_kernel
 from .kv_cache import PagedKVCache
 from .llama import DecoderLayer, StageModel, decode_attention, rms_norm
-from .norms import norm_kernel
 
 # How a single row multiplies a linear layer: (w, b) with y = (x @ w).view(1, -1) + b for x [1, in],
 # or, where w is oneDNN's packed weight (`w.is_mkldnn`), x W^T + b through oneDNN (see `row_product`).
@@ -52,7 +52,7 @@ def row_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     one process, two threads, Intel Xeon with AMX, two runs of 12 interleaved rounds: 18.9 and
     21.4 against 19.5 and 21.7 ms, the same logits).
 
-    Where the compiled RMSNorm serves (norms.py), it runs instead: one call, and torch's numbers
+    Where the compiled RMSNorm serves (fused.py), it runs instead: one call, and torch's numbers
     to the bit."""
     kernel = norm_kernel()
     if kernel is not None and kernel.takes_norm(x, weight):
@@ -90,6 +90,16 @@ def rotary(cos: torch.Tensor, sin: torch.Tensor) -> Callable[[torch.Tensor], tor
         return lambda qk: qk @ rot
     half = cos.shape[-1] // 2
     return lambda qk: qk * cos + qk.roll(half, -1) * sin
+
+
+def row_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up of one row gate_up [1, 2 w]: the compiled kernel's call where it serves
+    (fused.py), else the modules' two kernels on slices (no chunk)."""
+    kernel = silu_kernel(gate_up.shape[1] // 2)
+    if kernel is not None and kernel.takes_silu(gate_up):
+        return kernel.silu_mul(gate_up)
+    width = gate_up.shape[1] // 2  # [gate | up]
+    return silu(gate_up[:, :width]).mul_(gate_up[:, width:])
 
 
 def row_add_product(residual: torch.Tensor, x: torch.Tensor, weight: RowWeight) -> torch.Tensor:
@@ -188,8 +198,7 @@ class RowPath:
             values = cache.v_heads[layer.layer_id][:, :, slots]
             x = row_add_product(x, decode_attention(qk[:h].view(1, h, d), keys, values, mask=None), layer.o)
             gate_up = row_product(row_norm(x, layer.post_attention_norm, eps), layer.gate_up)
-            width = gate_up.shape[1] // 2  # [gate | up]
-            x = row_add_product(x, silu(gate_up[:, :width]).mul_(gate_up[:, width:]), layer.down)
+            x = row_add_product(x, row_silu_mul(gate_up), layer.down)
         if plan.head is None:
             return x
         assert plan.norm is not None  # the last stage holds both

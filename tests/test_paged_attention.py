@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from layerline.shared.model_config import LayerRange, ModelConfig
+from layerline.stage_worker.fused import norm_kernel, silu_kernel
 from layerline.stage_worker.kv_cache import CacheShape, PagedKVCache, StepLayout
 from layerline.stage_worker.llama import StageModel, batch_decode_attention, gathered_decode_attention
-from layerline.stage_worker.norms import norm_kernel
 from layerline.stage_worker.paged_attention import (
     bag_indices,
     bagged_decode_attention,
@@ -46,9 +46,11 @@ def pools_path(request, monkeypatch, kernel_home):
     else:
         monkeypatch.setattr("layerline.stage_worker.paged_attention.compiled_kernel", lambda: None)
     norm_kernel.cache_clear()
+    silu_kernel.cache_clear()
     yield request.param
     compiled_kernel.cache_clear()
     norm_kernel.cache_clear()
+    silu_kernel.cache_clear()
     rotary_kernel.cache_clear()
 
 

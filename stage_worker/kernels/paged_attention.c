@@ -316,3 +316,67 @@ void layerline_rms_norm(const void *restrict x, const void *restrict w, int bf16
         }
     }
 }
+
+/* 2^q for a float's exponent range, from its bits. */
+static inline float pow2i(int32_t q) {
+    union { uint32_t u; float f; } x = { .u = (uint32_t)(q + 0x7f) << 23 };
+    return x.f;
+}
+
+/* e^d as torch's vectorized CPU kernels compute it for SiLU (SLEEF's expf, within 1 ulp): d = q ln 2
+ * + s, a degree-6 polynomial in s with fused multiply-adds where SLEEF fuses them (`fmaf`, one
+ * rounding each) and separate roundings elsewhere, then 2^q in two halves; 0 below -104, inf above 100
+ * (q rounded to nearest even, as SLEEF's conversion under the default rounding mode). */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+static inline float sleef_expf(float d) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+    const int32_t q = (int32_t)rintf(d * 1.442695040888963407359924681001892137426645954152985934135449406931f);
+    float s = fmaf((float)q, -0.693145751953125f, d);
+    s = fmaf((float)q, -1.428606765330187045e-06f, s);
+    float u = 0.000198527617612853646278381f;
+    u = fmaf(u, s, 0.00139304355252534151077271f);
+    u = fmaf(u, s, 0.00833336077630519866943359f);
+    u = fmaf(u, s, 0.0416664853692054748535156f);
+    u = fmaf(u, s, 0.166666671633720397949219f);
+    u = fmaf(u, s, 0.5f);
+    u = 1.0f + fmaf(s * s, u, s);
+    union { float f; uint32_t u; } x = { .f = u * pow2i(q >> 1) * pow2i(q - (q >> 1)) };
+    const uint32_t low = 0u - (uint32_t)(d < -104.0f), high = 0u - (uint32_t)(100.0f < d); /* masks, not branches: */
+    x.u = (x.u & ~(low | high)) | (high & 0x7f800000u);                                      /* the loop vectorizes */
+    return x.f;
+}
+
+/* SiLU of the gate times the up projection: gate_up [rows, 2 width] (each row gate | up) into
+ * out [rows, width], as llama.py's `F.silu(gate) * up` gives it on the CPU: g / (1 + e^-g), then
+ * the product, each rounded (in bfloat16, `bf16`, the SiLU rounded to bfloat16 before the product,
+ * and the product too). */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+void layerline_silu_mul(const void *restrict gate_up, int bf16, int64_t rows, int64_t width, int threads,
+                        void *restrict out) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * width >= 8192)
+    for (int64_t r = 0; r < rows; ++r) {
+        if (bf16) {
+            const uint16_t *g = (const uint16_t *)gate_up + r * 2 * width, *up = g + width;
+            uint16_t *o = (uint16_t *)out + r * width;
+#pragma omp simd
+            for (int64_t i = 0; i < width; ++i) {
+                const float x = widen(g[i]);
+                o[i] = narrow(widen(narrow(x / (1.0f + sleef_expf(-x)))) * widen(up[i]));
+            }
+        } else {
+            const float *g = (const float *)gate_up + r * 2 * width, *up = g + width;
+            float *o = (float *)out + r * width;
+#pragma omp simd
+            for (int64_t i = 0; i < width; ++i) o[i] = g[i] / (1.0f + sleef_expf(-g[i])) * up[i];
+        }
+    }
+}
