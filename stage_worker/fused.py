@@ -51,18 +51,7 @@ def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 def norm_kernel() -> native.PagedAttentionKernel | None:
     """The compiled kernel, for RMSNorm too, where its norm gives torch's numbers exactly on random
     rows in every dtype it takes; None, logged once, otherwise."""
-    kernel = paged_attention.compiled_kernel()
-    if kernel is None:
-        return None
-    try:
-        exact = all(_norm_is_torchs(kernel, dtype) for dtype in native.POOL_DTYPES)
-    except (OSError, ValueError) as e:
-        log.warning("RMSNorm: torch's operations (%s failed its check: %s)", kernel.path, e)
-        return None
-    if not exact:
-        log.warning("RMSNorm: torch's operations (%s does not sum or round as torch does)", kernel.path)
-        return None
-    return kernel
+    return paged_attention.exact_kernel("RMSNorm", _norm_is_torchs, "does not sum or round as torch does")
 
 
 # (rows, width) checked: whole vectors and not, fewer than one group of 4 and several levels of 16,
@@ -102,22 +91,14 @@ def silu_kernel(width: int) -> native.PagedAttentionKernel | None:
     """The compiled kernel, for the SiLU of halves `width` wide, where it gives torch's numbers
     exactly on random rows of that width in every dtype it takes; None otherwise (logged once for a
     width it would take: torch's kernels round otherwise here)."""
-    kernel = paged_attention.compiled_kernel()
-    probe = torch.empty(1, 2 * width)
-    if kernel is None or not kernel.takes_silu(probe):
+    if not native.PagedAttentionKernel.takes_silu(torch.empty(1, 2 * width)):
         return None
-    try:
-        exact = all(_silu_is_torchs(kernel, width, dtype) for dtype in native.POOL_DTYPES)
-    except (OSError, ValueError) as e:
-        log.warning("SiLU: torch's operations (%s failed its check: %s)", kernel.path, e)
-        return None
-    if not exact:
-        log.warning("SiLU: torch's operations (%s does not round as torch does at width %d)", kernel.path, width)
-        return None
-    return kernel
+    return paged_attention.exact_kernel(
+        "SiLU", functools.partial(_silu_is_torchs, width=width), f"does not round as torch does at width {width}"
+    )
 
 
-def _silu_is_torchs(kernel: native.PagedAttentionKernel, width: int, dtype: torch.dtype) -> bool:
+def _silu_is_torchs(kernel: native.PagedAttentionKernel, dtype: torch.dtype, *, width: int) -> bool:
     """Whether the kernel's SiLU and product equal torch's on 1, 5 and 40 random rows (values up to
     about +-100 and the edges of e^x: 0 below -104, inf above 100)."""
     generator = torch.Generator().manual_seed(0)

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -180,16 +181,25 @@ def rotary_kernel() -> native.PagedAttentionKernel | None:
     """The compiled kernel, for rotary too, where its rotary gives torch's numbers exactly on a
     small random batch in every pool dtype (a compiler that fused a multiply-add would not);
     None, logged once, otherwise."""
+    return exact_kernel("rotary", _rotary_is_torchs, "does not round as torch does")
+
+
+def exact_kernel(
+    part: str, is_torchs: Callable[[native.PagedAttentionKernel, torch.dtype], bool], otherwise: str
+) -> native.PagedAttentionKernel | None:
+    """The compiled kernel, for `part` of a step, where `is_torchs(kernel, dtype)` holds in every
+    pool dtype: its numbers are torch's to the bit. None otherwise, logged (`part: torch's
+    operations (the library, why)`): the caller keeps torch's operations for that part."""
     kernel = compiled_kernel()
     if kernel is None:
         return None
     try:
-        exact = all(_rotary_is_torchs(kernel, dtype) for dtype in native.POOL_DTYPES)
+        exact = all(is_torchs(kernel, dtype) for dtype in native.POOL_DTYPES)
     except (OSError, ValueError) as e:
-        log.warning("rotary: torch's operations (%s failed its check: %s)", kernel.path, e)
+        log.warning("%s: torch's operations (%s failed its check: %s)", part, kernel.path, e)
         return None
     if not exact:
-        log.warning("rotary: torch's operations (%s does not round as torch does)", kernel.path)
+        log.warning("%s: torch's operations (%s %s)", part, kernel.path, otherwise)
         return None
     return kernel
 

@@ -6,6 +6,7 @@ import logging
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -48,6 +49,16 @@ def spread(*shape: int, seed: int) -> torch.Tensor:
     rounding where torch has two, shows in the last bit."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(*shape, generator=generator) * torch.randn(*shape, generator=generator).mul(2).exp()
+
+
+def tiny_layer(dtype: torch.dtype) -> Any:
+    """Layer 0 of a one-layer Llama of random weights: hidden 72, MLP halves of 96 (a width the SiLU takes)."""
+    config = ModelConfig.from_dict(
+        {"model_type": "llama", "hidden_size": 72, "intermediate_size": 96, "num_hidden_layers": 1, "vocab_size": 64,
+         "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 8, "rms_norm_eps": 1e-5}
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return StageModel(config, LayerRange(0, 1)).to(dtype).layers["0"]
 
 
 @needs_compiler
@@ -117,12 +128,7 @@ def test_a_layer_and_a_lone_row_normalize_as_torch_does(fresh_choice, kernel, mo
     assert fused.norm_kernel() is not None
     x, weight = spread(1, 576, seed=3).to(dtype), spread(576, seed=4).to(dtype)
     assert torch.equal(row_norm(x, weight, 1e-5), fused.torch_rms_norm(x, weight, 1e-5))
-    config = ModelConfig.from_dict(
-        {"model_type": "llama", "hidden_size": 72, "intermediate_size": 96, "num_hidden_layers": 1, "vocab_size": 64,
-         "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 8, "rms_norm_eps": 1e-5}
-    )  # fmt: skip
-    torch.manual_seed(0)
-    norm = StageModel(config, LayerRange(0, 1)).to(dtype).layers["0"].input_layernorm
+    norm = tiny_layer(dtype).input_layernorm
     torch.nn.init.normal_(norm.weight)
     hidden = spread(6, 72, seed=5).to(dtype)
     with torch.inference_mode():
@@ -197,12 +203,7 @@ def test_a_kernel_whose_silu_rounds_otherwise_leaves_it_to_torch(fresh_choice, m
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_an_mlp_and_a_lone_row_give_torchs_numbers_through_the_kernel(fresh_choice, kernel, monkeypatch, dtype):
     monkeypatch.setenv("LAYERLINE_HOME", str(kernel.path.parent.parent))
-    config = ModelConfig.from_dict(
-        {"model_type": "llama", "hidden_size": 72, "intermediate_size": 96, "num_hidden_layers": 1, "vocab_size": 64,
-         "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 8, "rms_norm_eps": 1e-5}
-    )  # fmt: skip
-    torch.manual_seed(0)
-    mlp = StageModel(config, LayerRange(0, 1)).to(dtype).layers["0"].mlp
+    mlp = tiny_layer(dtype).mlp
     hidden = spread(6, 72, seed=5).to(dtype)
     gate_up = spread(1, 2 * 1536, seed=6).to(dtype)
     with torch.inference_mode():

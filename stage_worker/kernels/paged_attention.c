@@ -28,6 +28,20 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* A function whose every product and sum is rounded apart, as torch's elementwise kernels round:
+ * gcc fuses a multiply and an add into one rounding at -O3 -march=native unless told not to
+ * (UNFUSED before the function; clang: CONTRACT_OFF at the top of its body). */
+#if defined(__clang__)
+#define UNFUSED
+#define CONTRACT_OFF _Pragma("clang fp contract(off)")
+#elif defined(__GNUC__)
+#define UNFUSED __attribute__((optimize("fp-contract=off")))
+#define CONTRACT_OFF
+#else
+#define UNFUSED
+#define CONTRACT_OFF
+#endif
+
 /* e^x for x <= 0 (a score minus its row's maximum), vectorizable: 2^n p(r), r = x - n ln 2 in
  * [-ln 2 / 2, ln 2 / 2], a degree-6 polynomial (Cephes' expf), within 2 ulp of expf. The argument
  * is clamped at -87.3, where e^x is 1.2e-38, just above the smallest normal float: such a weight
@@ -187,17 +201,13 @@ static inline uint16_t narrow(float f) {
  * all float32, or all bfloat16 if `bf16`, contiguous. Row r's rotated keys and its values go to
  * pool row slots[r]. Each rotated element is x * cos + x' * sin, x' the element half a head away,
  * rounded as torch's elementwise kernels round: each product, then the sum, to the dtype. No
- * multiply-add is fused (the attribute and pragma below): that would round once, not three times. */
-#if defined(__GNUC__) && !defined(__clang__)
-__attribute__((optimize("fp-contract=off")))
-#endif
+ * multiply-add is fused (UNFUSED, CONTRACT_OFF): that would round once, not three times. */
+UNFUSED
 void layerline_rotate_and_store(const void *restrict qkv, const void *restrict cos, const void *restrict sin,
                                 const int64_t *restrict slots, int bf16, int64_t n, int64_t h, int64_t kvh,
                                 int64_t d, int threads, void *restrict q_out, void *restrict k_pool,
                                 void *restrict v_pool) {
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#endif
+    CONTRACT_OFF
     const int64_t half = d / 2, width = (h + 2 * kvh) * d;
 #pragma omp parallel for num_threads(threads) schedule(static) if (n * width >= 16384)
     for (int64_t r = 0; r < n; ++r) {
@@ -238,13 +248,9 @@ static inline float element(const void *restrict x, int64_t i, int bf16) {
  * of 16 steps; any whole vector left into the first; the accumulators added in order; then the
  * elements past the last whole vector and the 8 lanes, one after another. Each square is rounded
  * before it is added (torch computes x.pow(2) first): no multiply-add fused, whoever inlines this. */
-#if defined(__GNUC__) && !defined(__clang__)
-__attribute__((optimize("fp-contract=off")))
-#endif
+UNFUSED
 static inline float torch_sum_of_squares(const void *restrict x, int64_t n, int bf16) {
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#endif
+    CONTRACT_OFF
     enum { LANES = 8, ILP = 4, LEVELS = 4 };
     const int64_t vectors = n / LANES, steps = vectors / ILP;
     int64_t ceil_log2 = 1; /* c10's CeilLog2(steps) */
@@ -293,14 +299,10 @@ static inline float torch_sum_of_squares(const void *restrict x, int64_t n, int 
  * gives it through torch: r = 1 / sqrt(sum(x^2) / n + eps) in float32, then w * (x * r), each
  * product rounded; in bfloat16 (`bf16`: x, w and out) x widened, x * r rounded to bfloat16, and w
  * times that rounded again. No multiply-add fused. */
-#if defined(__GNUC__) && !defined(__clang__)
-__attribute__((optimize("fp-contract=off")))
-#endif
+UNFUSED
 void layerline_rms_norm(const void *restrict x, const void *restrict w, int bf16, int64_t rows, int64_t n, float eps,
                         int threads, void *restrict out) {
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#endif
+    CONTRACT_OFF
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= 65536)
     for (int64_t r = 0; r < rows; ++r) {
         if (bf16) {
@@ -327,13 +329,9 @@ static inline float pow2i(int32_t q) {
  * + s, a degree-6 polynomial in s with fused multiply-adds where SLEEF fuses them (`fmaf`, one
  * rounding each) and separate roundings elsewhere, then 2^q in two halves; 0 below -104, inf above 100
  * (q rounded to nearest even, as SLEEF's conversion under the default rounding mode). */
-#if defined(__GNUC__) && !defined(__clang__)
-__attribute__((optimize("fp-contract=off")))
-#endif
+UNFUSED
 static inline float sleef_expf(float d) {
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#endif
+    CONTRACT_OFF
     const int32_t q = (int32_t)rintf(d * 1.442695040888963407359924681001892137426645954152985934135449406931f);
     float s = fmaf((float)q, -0.693145751953125f, d);
     s = fmaf((float)q, -1.428606765330187045e-06f, s);
@@ -354,14 +352,10 @@ static inline float sleef_expf(float d) {
  * out [rows, width], as llama.py's `F.silu(gate) * up` gives it on the CPU: g / (1 + e^-g), then
  * the product, each rounded (in bfloat16, `bf16`, the SiLU rounded to bfloat16 before the product,
  * and the product too). */
-#if defined(__GNUC__) && !defined(__clang__)
-__attribute__((optimize("fp-contract=off")))
-#endif
+UNFUSED
 void layerline_silu_mul(const void *restrict gate_up, int bf16, int64_t rows, int64_t width, int threads,
                         void *restrict out) {
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#endif
+    CONTRACT_OFF
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * width >= 8192)
     for (int64_t r = 0; r < rows; ++r) {
         if (bf16) {
