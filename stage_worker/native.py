@@ -102,6 +102,12 @@ def write_slots(slots: torch.Tensor, *, pool_slots: int) -> WriteSlots:
     return WriteSlots(slots, pool_slots)
 
 
+def _plain(t: torch.Tensor) -> bool:
+    """What `rms_norm` and `silu_mul` read: a contiguous float32 or bfloat16 CPU tensor, no gradient to keep."""
+    grad = torch.is_grad_enabled() and t.requires_grad
+    return t.dtype in POOL_DTYPES and t.device.type == "cpu" and t.is_contiguous() and not grad
+
+
 class PagedAttentionKernel:
     """The compiled kernels of kernels/paged_attention.c, loaded from `path`."""
 
@@ -127,15 +133,7 @@ class PagedAttentionKernel:
         are a multiple of 32 wide (torch's vectorized loop covers them whole: no element on its
         scalar path, which takes e^x from another function), and nothing to differentiate."""
         width = gate_up.shape[-1] // 2 if gate_up.dim() else 0
-        return (
-            width > 0
-            and width % 32 == 0
-            and gate_up.shape[-1] == 2 * width
-            and gate_up.dtype in POOL_DTYPES
-            and gate_up.device.type == "cpu"
-            and gate_up.is_contiguous()
-            and not (torch.is_grad_enabled() and gate_up.requires_grad)
-        )
+        return width > 0 and width % 32 == 0 and gate_up.shape[-1] == 2 * width and _plain(gate_up)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """`F.silu(gate) * up` of gate_up [..., 2 w] (its halves gate | up): [..., w], the numbers
@@ -154,16 +152,7 @@ class PagedAttentionKernel:
         """Whether `rms_norm` takes these: contiguous CPU tensors of one dtype (float32 or bfloat16), a
         weight [n] for rows of n >= 8 (torch sums shorter rows another way), and nothing to differentiate."""
         n = x.shape[-1] if x.dim() else 0
-        return (
-            n >= 8
-            and x.dtype == weight.dtype
-            and x.dtype in POOL_DTYPES
-            and x.device.type == "cpu" == weight.device.type
-            and weight.shape == (n,)
-            and x.is_contiguous()
-            and weight.is_contiguous()
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-        )
+        return n >= 8 and weight.shape == (n,) and x.dtype == weight.dtype and _plain(x) and _plain(weight)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dimension of x [..., n] with weight [n], the numbers llama.py's
