@@ -37,6 +37,7 @@ import grpc
 
 from layerline.bench.baseline import Baseline
 from layerline.bench.batch_floor import BatchFloor
+from layerline.bench.client_cpu import ClientCpu, http_floor
 from layerline.bench.hop_floor import HopFloor, measure_hop_floor
 from layerline.bench.openai_streams import check_http_is_grpc, http_aggregate, http_single
 from layerline.bench.rounds import describe, interleaved, paired
@@ -87,6 +88,7 @@ class BenchResult:
     long_prompt_tokens: int = 0
     weights_bytes_per_rank: dict[str, int] = field(default_factory=dict)  # largest rank of each cluster
     hop_floor: dict[str, object] = field(default_factory=dict)  # the bare relay's figures (HopFloor)
+    client_cpu_ms_per_token: dict[str, float] = field(default_factory=dict)  # medians; client_cpu.py
     ratios: dict[str, float] = field(default_factory=dict)  # of the medians
     paired_ratios: dict[str, list[float]] = field(default_factory=dict)  # PAIRS' ratios within each round
     within_budget: dict[str, bool] = field(default_factory=dict)
@@ -278,6 +280,7 @@ def run_bench(
         result.long_prompt_ttft_s = {k: statistics.median(v) for k, v in longs.items()}
         result.long_prompt_tokens = int(baseline.long_ids.shape[1])
         _log("concurrent streams ...")
+        cpu = ClientCpu()  # the bench's own client: what HTTP's 16 streams pay for the `openai` client
         aggregates = _rounds(
             rounds,
             {
@@ -285,8 +288,10 @@ def run_bench(
                 "matmul_floor_x32": lambda: floor32.generate(new_tokens),
                 "2_stages_x32": lambda: cluster_aggregate(two, 32, new_tokens),
                 "1_stage_x32": lambda: cluster_aggregate(one, 32, new_tokens),
-                "2_stages_x16": lambda: cluster_aggregate(two, 16, new_tokens),
-                "2_stages_x16_http": lambda: http_aggregate(two, PROMPT, 16, new_tokens),
+                "2_stages_x16": cpu.measured("2_stages_x16", lambda: cluster_aggregate(two, 16, new_tokens)),
+                "2_stages_x16_http": cpu.measured(
+                    "2_stages_x16_http", lambda: http_aggregate(two, PROMPT, 16, new_tokens)
+                ),
             },
         )
         aggregates.update(
@@ -299,6 +304,7 @@ def run_bench(
             )
         )
         result.aggregate_tokens_per_s = {k: statistics.median(v) for k, v in aggregates.items()}
+        result.client_cpu_ms_per_token = cpu.medians()
     finally:
         for cluster in clusters.values():
             cluster.stop()
@@ -326,7 +332,7 @@ def _judge(
 ) -> None:
     """The run's ratios (of medians, and within each round for PAIRS) and whether each is within budget."""
     s = {k: v.decode_tokens_per_s for k, v in result.single_stream.items()}
-    a = result.aggregate_tokens_per_s
+    a, c = result.aggregate_tokens_per_s, result.client_cpu_ms_per_token
     result.ratios = {
         "single_stream_1_stage_vs_transformers": s["1_stage"] / s["transformers"],
         "single_stream_2_stages_vs_1_stage": s["2_stages"] / s["1_stage"],
@@ -356,12 +362,19 @@ def _judge(
         "single_stream_tp3_vs_tp1": s["1_stage_tp3"] / s["1_stage"],
         "http_vs_grpc_single_stream": s["2_stages_http"] / s["2_stages"],
         "http_vs_grpc_16_streams": a["2_stages_x16_http"] / a["2_stages_x16"],
+        # What the `openai` client's extra CPU leaves of it on these cores, and the ratio against that.
+        "http_vs_grpc_16_streams_client_floor": http_floor(
+            c["2_stages_x16"], c["2_stages_x16_http"], a["2_stages_x16"]
+        ),
         # transformers' time to the first token of the long prompt over ours: above 1, ours is sooner
         "long_prompt_ttft_1_stage_vs_transformers": result.long_prompt_ttft_s["transformers"]
         / result.long_prompt_ttft_s["1_stage"],
         "long_prompt_ttft_2_stages_vs_transformers": result.long_prompt_ttft_s["transformers"]
         / result.long_prompt_ttft_s["2_stages"],
     }
+    result.ratios["http_vs_grpc_16_streams_vs_client_floor"] = (
+        result.ratios["http_vs_grpc_16_streams"] / result.ratios["http_vs_grpc_16_streams_client_floor"]
+    )
     samples = {"single": {k: [v.decode_tokens_per_s for v in vs] for k, vs in singles.items()}, "aggregate": aggregates}
     result.paired_ratios = {
         name: paired(samples[kind][num], samples[kind][den]) for name, (kind, num, den) in PAIRS.items()
