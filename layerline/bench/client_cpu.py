@@ -26,7 +26,7 @@ class ClientCpu:
 
     def measured(self, name: str, run: Callable[[], float]) -> Callable[[], float]:
         """`run` (which returns tokens/s), counting the process's CPU over its tokens: the rate times
-        the run's wall time (connecting included, a few milliseconds of seconds)."""
+        the run's wall time (its connecting included: milliseconds of a run of seconds)."""
 
         def timed() -> float:
             cpu, wall = time.process_time(), time.perf_counter()
