@@ -2,12 +2,14 @@
 
 Its figures are timings, never asserted; what is asserted is that the relay is wired right: both
 relays compute the same function, the 2-stage one across its hop, so they return the same tokens
-(`measure_hop_floor` raises otherwise), split as `layerline up --stages 2` splits the layers.
+(`measure_hop_floor` raises otherwise), a lone row or several a step, split as `layerline up
+--stages 2` splits the layers.
 """
 
 from __future__ import annotations
 
 import socket
+import statistics
 
 import pytest
 
@@ -24,15 +26,20 @@ def test_shapes_of_a_config_give_the_fused_widths() -> None:
 
 
 @pytest.mark.cluster
-def test_both_relays_return_the_same_tokens_over_the_split_of_layerline_up() -> None:
+@pytest.mark.parametrize("rows", [1, 3])
+def test_both_relays_return_the_same_tokens_over_the_split_of_layerline_up(rows: int) -> None:
     rounds = []
-    floor = measure_hop_floor(TINY_SHAPES, rounds=2, tokens=12, port=free_ports(3), log=rounds.append)
+    floor = measure_hop_floor(
+        TINY_SHAPES, rounds=2, tokens=20, port=free_ports(3), rows=rows, env={"OMP_NUM_THREADS": "1"}, log=rounds.append
+    )
     assert isinstance(floor, HopFloor)
     assert floor.layer_ranges == [(0, 2), (2, 4)]  # the LM head weighs a third of a layer here
-    assert (floor.rounds, floor.tokens) == (2, 12)
-    assert len(rounds) == 2 and rounds[0].startswith("hop floor round 1/2: bare relay")
+    assert (floor.rounds, floor.tokens, floor.rows) == (2, 20, rows)
+    assert len(rounds) == 2 and rounds[0].startswith(f"hop floor round 1/2, {rows} row")
     assert floor.one_stage_gap_ms > 0 and floor.two_stages_gap_ms > 0
     assert floor.added_ms_per_hop == pytest.approx(floor.two_stages_gap_ms - floor.one_stage_gap_ms)
+    assert len(floor.two_vs_one_stage_rounds) == 2
+    assert floor.two_vs_one_stage == pytest.approx(statistics.median(floor.two_vs_one_stage_rounds))
 
 
 @pytest.mark.cluster

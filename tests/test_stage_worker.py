@@ -9,10 +9,10 @@ import grpc
 import pytest
 import torch
 
-from layerline.cli.servers import openmp_defaults
 from layerline.protos.v1 import common_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
 from layerline.shared.model_config import LayerRange
 from layerline.stage_worker.codec import chunk
+from layerline.stage_worker.settings import openmp_defaults
 from layerline.stage_worker.weights import load_stage
 
 from .pipeline import LocalPipeline

@@ -1,4 +1,4 @@
-"""Benchmarks: `layerline bench` (`run`) and this machine's floor for an extra hop (`hop_floor`).
+"""Benchmarks: `layerline bench` (`run`, `clusters`) and this machine's floors under a split (`hop_floor`).
 
 Sits above the services and the launcher, below the command line; transformers, the baseline,
 is imported only while measuring.

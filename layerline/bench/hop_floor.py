@@ -1,19 +1,22 @@
-"""The floor under `layerline bench`'s extra-hop figure: a bare gRPC relay of the model's matmuls.
+"""The floors under `layerline bench`'s figures of a split: a bare gRPC relay of the model's matmuls.
 
 Owns `measure_hop_floor`. It starts bare relay stages as OS processes on this machine: one holding
 all of a model's layers, and two holding them split as `layerline up --stages 2` splits them. It
-drives one token at a time through the 1-stage relay and through the 2-stage one, in interleaved
-rounds. The difference of their median times between tokens is what one more hop costs on this
-machine with none of layerline's own work in it: no scheduler, KV cache, attention, sampling,
-checks or telemetry, only grpc.aio messages and the weights' matmuls.
+drives steps of one token (or of `rows` tokens, one a sequence) through the 1-stage relay and the
+2-stage one, the two taking turns every BLOCK steps within each round, so that the drift of a
+shared machine (20-40% between rounds of a minute) falls on both alike. The difference of their
+median times between steps is what one more hop costs on this machine with none of layerline's
+own work in it: no scheduler, KV cache, attention, sampling, checks or telemetry, only grpc.aio
+messages and the weights' matmuls; their ratio at 32 rows is the most 2 stages taking turns on
+the cores could keep of 1 stage's tokens a second.
 
 A relay stage is a grpc.aio server. Its step runs each of its layers' matmuls (fused qkv, o,
-fused gate/up, down, with SiLU) on random float32 weights, on the torch threads a lone stream's
-steps take (`threads`), inline on the event loop as layerline's stages run a lone token. It
+fused gate/up, down, with SiLU) on random float32 weights, on the torch threads the measured
+chain's steps take (`threads`), inline on the event loop, with a stage's OpenMP environment. It
 sends the hidden state, encoded by the codec, to the next stage; the last stage applies the LM
-head and answers the argmax token on a Results stream, as layerline's last stage answers the
-coordinator. Weights are seeded by layer
-index, so both relays compute the same function and return the same tokens.
+head and answers each row's argmax token on a Results stream, as layerline's last stage answers
+the coordinator. Weights are seeded by layer index, so both relays compute the same function and
+return the same tokens.
 
 Knows a model by its config's shapes only: no checkpoint, tokenizer or coordinator.
 """
@@ -23,27 +26,39 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import grpc
 
 from layerline.launcher import split_layers
 from layerline.shared.model_config import ModelConfig
 from layerline.shared.rpc import listen, server_options
+from layerline.stage_worker.settings import openmp_defaults
 
 SERVICE = "layerline.HopFloor"
 READY_TIMEOUT_S = 300.0  # a relay stage builds its random weights before it listens
 TOKEN_TIMEOUT_S = 60.0  # a token's way through a relay; past it the measurement fails, never hangs
+BLOCK = 8  # steps through one relay before the other takes its turn
 EMBEDDING_SEED, HEAD_SEED = 2**31 - 1, 2**31 - 2  # layer n's four weights take seeds 4n .. 4n + 3
 
 
 def _raw(b: bytes) -> bytes:
     return b
+
+
+def _message(tokens: list[int]) -> bytes:
+    """A step's tokens, one a row, as the driver sends them and the last stage answers them."""
+    return b"".join(t.to_bytes(4, "little") for t in tokens)
+
+
+def _tokens(message: bytes) -> list[int]:
+    return [int.from_bytes(message[i : i + 4], "little") for i in range(0, len(message), 4)]
 
 
 @dataclass(frozen=True)
@@ -101,18 +116,18 @@ async def _serve_stage(
     downstream: list[grpc.aio.StreamStreamCall] = []  # to the next stage, opened by the first step
 
     @torch.inference_mode()
-    def compute(x: torch.Tensor) -> torch.Tensor:  # [1, hidden]
+    def compute(x: torch.Tensor) -> torch.Tensor:  # [rows, hidden]
         for qkv, o, gate_up, down in layers:
-            attn = F.linear(x, qkv)[:, : shapes.o_width]  # [1, o_width]: a stand-in for attention's output
+            attn = F.linear(x, qkv)[:, : shapes.o_width]  # [rows, o_width]: a stand-in for attention's output
             x = x + F.linear(attn, o)
-            gate, up = F.linear(x, gate_up).chunk(2, dim=-1)  # each [1, intermediate]
+            gate, up = F.linear(x, gate_up).chunk(2, dim=-1)  # each [rows, intermediate]
             x = x + F.linear(F.silu(gate) * up, down)
         return x
 
     async def step(requests, context):
         async for message in requests:
             if embedding is not None:
-                x = embedding[int.from_bytes(message, "little")][None]  # [1, hidden]
+                x = embedding[_tokens(message)]  # [rows, hidden]
             else:
                 x = decode(tensor_pb2.Tensor.FromString(message), limits=limits)
             x = compute(x)
@@ -127,7 +142,7 @@ async def _serve_stage(
                     )
                 await downstream[0].write(encode(x).SerializeToString())
             else:
-                answers["now"].put_nowait(int(F.linear(x, head).argmax()).to_bytes(4, "little"))
+                answers["now"].put_nowait(_message(F.linear(x, head).argmax(-1).tolist()))
         yield b""
 
     async def results(request, context):
@@ -153,53 +168,85 @@ async def _serve_stage(
     await server.wait_for_termination()
 
 
-async def _drive(first: str, last: str, tokens: int) -> tuple[list[int], float]:
-    """Feed each answered token back in, `tokens` times: (the tokens, the median gap in ms)."""
-    async with grpc.aio.insecure_channel(first) as head, grpc.aio.insecure_channel(last) as tail:
-        results = tail.unary_stream(f"/{SERVICE}/Results", request_serializer=_raw, response_deserializer=_raw)(b"")
-        await asyncio.wait_for(results.initial_metadata(), TOKEN_TIMEOUT_S)
-        steps = head.stream_stream(f"/{SERVICE}/Step", request_serializer=_raw, response_deserializer=_raw)()  # type: ignore[call-arg]
-        token, out, gaps = 1, [], []
-        for i in range(tokens):
-            started = time.perf_counter()
-            await steps.write(token.to_bytes(4, "little"))
-            try:
-                answer = await asyncio.wait_for(results.read(), TOKEN_TIMEOUT_S)
-            except TimeoutError:
-                raise TimeoutError(
-                    f"the bare relay {first} .. {last} returned no token {i} within {TOKEN_TIMEOUT_S:.0f} s"
-                ) from None
-            if answer is grpc.aio.EOF:  # type: ignore[attr-defined]  # grpc-stubs lack it
-                raise RuntimeError(f"the bare relay's results stream from {last} ended")
-            token = int.from_bytes(answer, "little")  # type: ignore[arg-type]
-            gaps.append(time.perf_counter() - started)
-            out.append(token)
-        results.cancel()
-        await steps.done_writing()
-    return out, 1000 * statistics.median(gaps[len(gaps) // 10 :])  # past the first tenth: warm
+class _Relay:
+    """A driver's streams into one relay (its first stage) and out of it (its last): one step at a time."""
+
+    def __init__(self, first: str, last: str) -> None:
+        self.first, self.last = first, last
+        self._head = grpc.aio.insecure_channel(first)
+        self._tail = grpc.aio.insecure_channel(last)
+
+    async def open(self) -> None:
+        self._results = self._tail.unary_stream(
+            f"/{SERVICE}/Results", request_serializer=_raw, response_deserializer=_raw
+        )(b"")
+        await asyncio.wait_for(self._results.initial_metadata(), TOKEN_TIMEOUT_S)
+        self._steps = self._head.stream_stream(
+            f"/{SERVICE}/Step", request_serializer=_raw, response_deserializer=_raw
+        )()  # type: ignore[call-arg]
+
+    async def step(self, tokens: list[int]) -> tuple[list[int], float]:
+        """Send a step's tokens, await the next ones: (them, the seconds between)."""
+        started = time.perf_counter()
+        await self._steps.write(_message(tokens))
+        try:
+            answer = await asyncio.wait_for(self._results.read(), TOKEN_TIMEOUT_S)
+        except TimeoutError:
+            raise TimeoutError(
+                f"the bare relay {self.first} .. {self.last} returned no step within {TOKEN_TIMEOUT_S:.0f} s"
+            ) from None
+        if answer is grpc.aio.EOF:  # type: ignore[attr-defined]  # grpc-stubs lack it
+            raise RuntimeError(f"the bare relay's results stream from {self.last} ended")
+        return _tokens(answer), time.perf_counter() - started  # type: ignore[arg-type]
+
+    async def close(self) -> None:
+        self._results.cancel()
+        await self._steps.done_writing()
+        await self._head.close(None)
+        await self._tail.close(None)
+
+
+async def _round(one: _Relay, two: _Relay, *, tokens: int, rows: int, reverse: bool) -> tuple[float, float]:
+    """`tokens` steps through each relay, taking turns every BLOCK steps (the one that starts
+    alternating by round): each relay's median gap in ms, of every block's steps after its first
+    (the first pays for the threads that slept through the other relay's block). Raises if the
+    two relays' tokens differ."""
+    relays = (two, one) if reverse else (one, two)
+    for relay in relays:
+        await relay.open()
+    steps = {relay: [1 + row for row in range(rows)] for relay in relays}  # each row its own sequence
+    out: dict[_Relay, list[list[int]]] = {relay: [] for relay in relays}
+    gaps: dict[_Relay, list[float]] = {relay: [] for relay in relays}
+    for block in range(0, tokens, BLOCK):
+        for relay in relays:
+            for i in range(block, min(block + BLOCK, tokens)):
+                steps[relay], gap = await relay.step(steps[relay])
+                out[relay].append(steps[relay])
+                if i > block:
+                    gaps[relay].append(gap)
+    for relay in relays:
+        await relay.close()
+    if out[one] != out[two]:
+        raise RuntimeError("the 1-stage and 2-stage relays returned different tokens")
+    return 1000 * statistics.median(gaps[one]), 1000 * statistics.median(gaps[two])
 
 
 async def _rounds(
-    one: str, first: str, last: str, *, rounds: int, tokens: int, log: Callable[[str], None]
+    one: str, first: str, last: str, *, rounds: int, tokens: int, rows: int, log: Callable[[str], None]
 ) -> tuple[list[float], list[float]]:
-    """Interleaved rounds on one event loop, 1 stage then 2 and the other way round in odd rounds
-    (as rounds.py orders the bench's): each relay's median gap per round."""
+    """Rounds on one event loop, the relays taking turns within each (see _round): each relay's
+    median gap per round."""
     one_gaps: list[float] = []
     two_gaps: list[float] = []
     for r in range(rounds):
-        if r % 2 == 0:
-            one_tokens, one_gap = await _drive(one, one, tokens)
-            two_tokens, two_gap = await _drive(first, last, tokens)
-        else:
-            two_tokens, two_gap = await _drive(first, last, tokens)
-            one_tokens, one_gap = await _drive(one, one, tokens)
-        if one_tokens != two_tokens:
-            raise RuntimeError("the 1-stage and 2-stage relays returned different tokens")
+        one_gap, two_gap = await _round(
+            _Relay(one, one), _Relay(first, last), tokens=tokens, rows=rows, reverse=r % 2 == 1
+        )
         one_gaps.append(one_gap)
         two_gaps.append(two_gap)
         log(
-            f"hop floor round {r + 1}/{rounds}: bare relay, a token every {one_gap:.2f} ms on 1 stage, "
-            f"{two_gap:.2f} ms on 2: {two_gap - one_gap:.2f} ms a hop"
+            f"hop floor round {r + 1}/{rounds}, {rows} row{'s' if rows > 1 else ''}: bare relay, a step every "
+            f"{one_gap:.2f} ms on 1 stage, {two_gap:.2f} ms on 2: {two_gap - one_gap:.2f} ms a hop"
         )
     return one_gaps, two_gaps
 
@@ -213,6 +260,11 @@ class HopFloor:
     rounds: int
     tokens: int  # per stream and round
     threads: int = 1  # each relay stage's torch threads
+    rows: int = 1  # a step's rows (sequences)
+    two_vs_one_stage: float = 1.0  # the 2-stage relay's tokens a second over the 1-stage one's (median of rounds')
+    two_vs_one_stage_rounds: list[float] = field(
+        default_factory=list
+    )  # each round's: its 1-stage gap / its 2-stage gap
 
 
 def measure_hop_floor(
@@ -223,12 +275,17 @@ def measure_hop_floor(
     port: int = 7190,
     ranges: list[tuple[int, int]] | None = None,
     threads: int = 1,
+    rows: int = 1,
+    env: dict[str, str] | None = None,
     log: Callable[[str], None] = lambda _: None,
 ) -> HopFloor:
     """Start the relays (ports `port`..`port + 2`), measure, stop them; raise if their tokens differ.
 
     `ranges`: the 2-stage relay's split (default: `split_layers` by the bytes of the head);
-    `threads`: each relay stage's torch threads, as a lone stream's steps take them.
+    `threads`: each relay stage's torch threads, as the measured chain's steps take them; `rows`:
+    sequences a step (each relay stage's steps take them all at once, as a chain's stages take
+    turns); `env`: added to each relay stage's environment (a local chain's stage environment:
+    its threads and OpenMP binding; the OpenMP wait policy is a stage's unless it names one).
     """
     shapes = Shapes.of(config)
     ranges = ranges or split_layers(shapes.num_layers, 2, head_weight=config.head_weight)
@@ -252,21 +309,24 @@ def measure_hop_floor(
                 "--threads",
                 str(threads),
                 *(["--next", n] if n else []),
-            ]
+            ],
+            env={**os.environ, **(env or {})},
         )
         for p, a, b, n in plan
     ]
     try:
         for proc, (p, *_) in zip(procs, plan):
             _wait_listening(proc, p)
-        one, two = asyncio.run(_rounds(*(f"127.0.0.1:{p}" for p, *_ in plan), rounds=rounds, tokens=tokens, log=log))
+        addresses = (f"127.0.0.1:{p}" for p, *_ in plan)
+        one, two = asyncio.run(_rounds(*addresses, rounds=rounds, tokens=tokens, rows=rows, log=log))
     finally:
         for proc in procs:
             proc.terminate()
         for proc in procs:
             proc.wait(timeout=30)
     a, b = statistics.median(one), statistics.median(two)
-    return HopFloor(a, b, b - a, ranges, rounds, tokens, threads)
+    within = [x / y for x, y in zip(one, two)]  # each round's 2 stages over 1, in tokens a second
+    return HopFloor(a, b, b - a, ranges, rounds, tokens, threads, rows, statistics.median(within), within)
 
 
 def _wait_listening(proc: subprocess.Popen[bytes], port: int) -> None:
@@ -299,6 +359,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
     args = parser.parse_args(argv)
     start, end = (int(v) for v in args.layers.split(":"))
+    openmp_defaults(os.environ)  # a stage's OpenMP wait policy, before torch is imported
     asyncio.run(_serve_stage(args.port, Shapes(**json.loads(args.shapes)), start, end, args.next, threads=args.threads))
 
 

@@ -5,7 +5,7 @@ that a greedy answer through HTTP is the gRPC SDK's, text for text.
 
 A streamed chunk carries text, not token ids: the tokens are counted by the stream's usage
 (`include_usage`), and the decode rate is the tokens after the first over the time from the
-first chunk with text to the last, as run.py's gRPC figure is the tokens after the first over
+first chunk with text to the last, as clusters.py's gRPC figure is the tokens after the first over
 the time from the first message with tokens to the last. The chunks' times are measured as
 they come out of the client, so its parsing is part of the figure, as the SDK's is of gRPC's.
 Measures only: run.py interleaves these with the gRPC figures in its rounds.

@@ -13,45 +13,43 @@ A single stream's time between tokens is also split into its chain's compute, as
 it (asked of each stage after the first token and after the last), and the rest: what a hop adds
 in messages and what it adds in slower compute. Last, `hop_floor` measures the same extra hop
 through a bare gRPC relay of the model's matmuls (see hop_floor.py): what this machine charges
-for a hop before any of layerline's own work. Beside transformers' batch of 32, in the same
+for a hop before any of layerline's own work; and the same relays at 32 rows a step, 2 stages
+against 1: the floor under 32 streams on 2 stages against 1. The clusters, and how a stream
+and many are measured, are clusters.py's. Beside transformers' batch of 32, in the same
 rounds, `BatchFloor` times the model's matrix products alone at 32 rows (batch_floor.py): the
 floor under the 32-stream figures. transformers is needed here only, as the baseline (baseline.py).
 """
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import json
 import os
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import grpc
-
 from layerline.bench.baseline import Baseline
 from layerline.bench.batch_floor import BatchFloor
 from layerline.bench.client_cpu import ClientCpu, http_floor
+from layerline.bench.clusters import (
+    LONG_PROMPT,
+    PROMPT,
+    cluster_aggregate,
+    cluster_long_ttft,
+    cluster_single,
+    measured_cluster,
+)
 from layerline.bench.hop_floor import HopFloor, measure_hop_floor
 from layerline.bench.openai_streams import check_http_is_grpc, http_aggregate, http_single
 from layerline.bench.rounds import describe, interleaved, paired
 from layerline.bench.stream import Seconds, Stream
-from layerline.client import AsyncClient, Client
-from layerline.launcher import ClusterPlan, LocalCluster
-from layerline.protos.v1 import stage_pb2, stage_pb2_grpc
+from layerline.launcher import ClusterPlan
 from layerline.shared.model_config import ModelConfig
 
-PROMPT = "Write a long story about a dragon who learns to paint. Once upon a time"
-# About 300 tokens, for the time to the first token of a long prompt (prefill, not decoding).
-LONG_PROMPT = " ".join(
-    f"Rule {i}: answer briefly, mention the price of bread number {i} when asked, and stay polite." for i in range(14)
-)
 BUDGETS = {  # ratio name -> the least it may be (DESIGN.md, performance budgets)
     "single_stream_1_stage_vs_transformers": 1.8,
     "single_stream_2_stages_vs_1_stage": 0.9,
@@ -87,7 +85,8 @@ class BenchResult:
     long_prompt_ttft_s: dict[str, float] = field(default_factory=dict)  # medians; LONG_PROMPT, one at a time
     long_prompt_tokens: int = 0
     weights_bytes_per_rank: dict[str, int] = field(default_factory=dict)  # largest rank of each cluster
-    hop_floor: dict[str, object] = field(default_factory=dict)  # the bare relay's figures (HopFloor)
+    hop_floor: dict[str, object] = field(default_factory=dict)  # the bare relay's figures (HopFloor), a lone row
+    split_floor_32: dict[str, object] = field(default_factory=dict)  # the same relays at 32 rows a step
     client_cpu_ms_per_token: dict[str, float] = field(default_factory=dict)  # medians; client_cpu.py
     ratios: dict[str, float] = field(default_factory=dict)  # of the medians
     paired_ratios: dict[str, list[float]] = field(default_factory=dict)  # PAIRS' ratios within each round
@@ -96,90 +95,6 @@ class BenchResult:
 
 def _log(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
-
-
-def measured_cluster(
-    checkpoint: Path, *, port: int, log_dir: Path, dtype: str = ClusterPlan.dtype, **layout: Any
-) -> LocalCluster:
-    """A local cluster of `checkpoint` laid out as `layout` (stages, tp, ...), as the bench measures one.
-
-    Every round sends the same prompt: without the cache of finished requests' KV, each round's
-    first token is computed, as transformers computes it (live sharing stays on). Its workers are
-    probed when they join and not again within the hour: the clusters of a run idle side by side
-    while one is measured, and their readiness probes (a real forward each 15 s; about 0.2 s of
-    both cores for the tp-3 stage on 2 cores) would land in its rounds."""
-    coordinator = ("--prefix-cache", "0", "--probe-interval", "3600")
-    plan = ClusterPlan(
-        model=str(checkpoint), dtype=dtype, port=port, log_dir=log_dir, coordinator_args=coordinator, **layout
-    )
-    return LocalCluster(plan, checkpoint)
-
-
-def cluster_long_ttft(cluster: LocalCluster) -> Seconds:
-    with cluster.client() as client:
-        start = time.perf_counter()
-        client.generate(LONG_PROMPT, max_tokens=1, temperature=0.0)
-        return Seconds(time.perf_counter() - start)
-
-
-class StageClocks:
-    """Asks each stage of a one-chain cluster how many steps it computed so far, and for how long."""
-
-    def __init__(self, cluster: LocalCluster, client: Client) -> None:
-        if cluster.certs is None:
-            self._channels = [grpc.insecure_channel(w.address) for w in client.cluster().workers]
-        else:  # the stages answer members only: ask as the coordinator
-            member = cluster.certs.tls_files("coordinator").channel_credentials()
-            self._channels = [grpc.secure_channel(w.address, member) for w in client.cluster().workers]
-        self._stubs = [stage_pb2_grpc.StageWorkerStub(c) for c in self._channels]
-        self.read()  # connected before anything is timed
-
-    def read(self) -> list[tuple[int, float]]:
-        infos = (stub.Info(stage_pb2.InfoRequest(), timeout=10).worker for stub in self._stubs)
-        return [(w.steps_computed, w.compute_seconds) for w in infos]
-
-    def close(self) -> None:
-        for channel in self._channels:
-            channel.close()
-
-
-def cluster_single(cluster: LocalCluster, n: int) -> Stream:
-    with cluster.client() as client:
-        clocks = StageClocks(cluster, client)
-        try:
-            start = time.perf_counter()
-            arrivals: list[float] = []
-            before: list[tuple[int, float]] = []
-            for chunk in client.stream(PROMPT, max_tokens=n, temperature=0.0):
-                arrivals += [time.perf_counter()] * len(chunk.token_ids)
-                before = before or clocks.read()  # after the prompt's step: decode steps only from here
-            after = clocks.read()
-        finally:
-            clocks.close()
-    first, last = arrivals[0], arrivals[-1]
-    gaps = [b - a for a, b in itertools.pairwise(arrivals) if b > a]  # tokens of one message: one gap
-    mean_gap = (last - first) / max(len(arrivals) - 1, 1)
-    # A step advances this one sequence by a token: per stage, its mean compute per step.
-    compute = sum((s1 - s0) / (n1 - n0) for (n0, s0), (n1, s1) in zip(before, after) if n1 > n0)
-    return Stream(
-        first - start,
-        1 / max(mean_gap, 1e-9),
-        1000 * statistics.median(gaps),
-        1000 * compute,
-        1000 * (mean_gap - compute),
-    )
-
-
-def cluster_aggregate(cluster: LocalCluster, streams: int, n: int) -> float:
-    async def run() -> float:
-        async with AsyncClient(cluster.address, token=cluster.token, ca_cert=cluster.ca_cert) as client:
-            start = time.perf_counter()
-            done = await asyncio.gather(
-                *(client.generate(PROMPT, max_tokens=n, temperature=0.0) for _ in range(streams))
-            )
-            return sum(len(d.token_ids) for d in done) / (time.perf_counter() - start)
-
-    return asyncio.run(run())
 
 
 def _median_stream(samples: list[Stream]) -> Stream:
@@ -308,18 +223,23 @@ def run_bench(
     finally:
         for cluster in clusters.values():
             cluster.stop()
-    _log(f"the hop's floor: a bare gRPC relay of the model's matmuls (float32; this run {dtype}) ...")
-    floor = measure_hop_floor(
-        config,
-        rounds=rounds,
-        tokens=new_tokens,
-        port=port + 10,
-        ranges=two.ranges,  # split as the 2-stage cluster was
-        threads=two.chain_threads,  # as a lone stream's steps run
-        log=_log,
+    _log(f"the floors of a split: a bare gRPC relay of the model's matmuls (float32; this run {dtype}) ...")
+    floor, split32 = (
+        measure_hop_floor(
+            config,
+            rounds=rounds,
+            tokens=new_tokens,
+            port=port + 10,
+            ranges=two.ranges,  # split as the 2-stage cluster was
+            threads=two.chain_threads,  # as its steps run: one at a time, on the chain's cores
+            rows=rows,  # a lone stream's hop, then the 32 streams' steps
+            env=two.stage_env(),  # its threads and OpenMP binding
+            log=_log,
+        )
+        for rows in (1, 32)
     )
-    result.hop_floor = asdict(floor)
-    _judge(result, floor, singles=singles, aggregates=aggregates, tls=tls)
+    result.hop_floor, result.split_floor_32 = asdict(floor), asdict(split32)
+    _judge(result, floor, split32, singles=singles, aggregates=aggregates, tls=tls)
     text = json.dumps(asdict(result), indent=2)
     if json_path is not None:
         json_path.write_text(text + "\n")
@@ -328,7 +248,13 @@ def run_bench(
 
 
 def _judge(
-    result: BenchResult, floor: HopFloor, *, singles: dict[str, list], aggregates: dict[str, list], tls: bool
+    result: BenchResult,
+    floor: HopFloor,
+    split32: HopFloor,
+    *,
+    singles: dict[str, list],
+    aggregates: dict[str, list],
+    tls: bool,
 ) -> None:
     """The run's ratios (of medians, and within each round for PAIRS) and whether each is within budget."""
     s = {k: v.decode_tokens_per_s for k, v in result.single_stream.items()}
@@ -339,6 +265,12 @@ def _judge(
         "concurrent_32_vs_transformers_batch_32": a["2_stages_x32"] / a["transformers_batch_32"],
         "concurrent_32_1_stage_vs_transformers_batch_32": a["1_stage_x32"] / a["transformers_batch_32"],
         "concurrent_32_2_stages_vs_1_stage": a["2_stages_x32"] / a["1_stage_x32"],
+        # The floor under it: the bare relays at 32 rows a step, split the same way (hop_floor.py),
+        # 2 stages against 1 (their rounds take turns every few steps); and ours against it.
+        "concurrent_32_2_stages_vs_1_stage_bare_relay": split32.two_vs_one_stage,
+        "concurrent_32_2_stages_vs_1_stage_vs_bare_relay": a["2_stages_x32"]
+        / a["1_stage_x32"]
+        / split32.two_vs_one_stage,
         # The floor under the 32-stream ratios: 32 rows through the model's products and nothing
         # else (batch_floor.py), against transformers' batch (the most an engine of torch's
         # products could show) and against one stage's 32 streams (how much of it layerline keeps).

@@ -174,7 +174,9 @@ def add_bench_commands(commands: Subcommands) -> None:
         "gRPC SDK. Measurements are interleaved in rounds, odd rounds in reverse order, and "
         "the medians kept; each budgeted ratio is also printed round by round. Then the "
         "same extra hop through a bare gRPC relay of the "
-        "model's matmuls, as this machine's floor for that figure. Prints the figures, "
+        "model's matmuls, as this machine's floor for that figure, and the same relays at 32 "
+        "rows a step, 2 stages against 1, as the floor under 32 streams on 2 stages against 1 "
+        "(the relays take turns every few steps). Prints the figures, "
         "the ratios and whether each is within DESIGN.md's budget. Needs transformers "
         "and openai (the test extra).",
         formatter_class=HelpFormatter,

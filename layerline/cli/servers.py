@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import MutableMapping
 
 from layerline.shared.settings import DTYPES, format_size, parse_size
-from layerline.stage_worker.settings import QUANTIZE, WEIGHT_LAYOUTS, StageSettings
+from layerline.stage_worker.settings import QUANTIZE, WEIGHT_LAYOUTS, StageSettings, openmp_defaults
 
 from .support import (
     HelpFormatter,
@@ -22,27 +21,6 @@ from .support import (
 )
 
 # --- layerline stage ... -------------------------------------------------------------------
-
-
-def openmp_defaults(environ: MutableMapping[str, str]) -> None:
-    """The OpenMP wait policy a stage runs with, unless `environ` names one (either variable).
-
-    A stage runs torch on one thread (stage_worker/compute.py), so its OpenMP team is the only
-    one: between two of a step's parallel regions (a single row's step has about 150) its idle
-    threads spin `GOMP_SPINCOUNT` times before they sleep. Too few and they sleep and are woken
-    between regions; too many and after a step they keep a core that the chain's next stage (or
-    the coordinator) needs. libgomp's default, 300000 spins, is about 3 ms by its own estimate,
-    and longer where a spin is slow (Intel's pause instruction). Measured on 2 cores of an Intel
-    Xeon (AVX-512, AMX), 2 rounds each, a lone stream on 1 and 2 stages: 3000 spins 25.6 and 23.9
-    tok/s, 10000 31.5 and 28.8, 30000 32.4 and 28.3, 100000 31.4 and 26.3, 300000 32.5 and 25.7
-    (32 streams: 30000 the fastest on both). 30000 is that machine's choice; on others it is a
-    default, not a measurement. The active policy keeps a thread spinning 1000 times (not 100)
-    should the process ever run more OpenMP threads than cores. libgomp reads both when it
-    loads: set before torch is imported.
-    """
-    if "OMP_WAIT_POLICY" not in environ and "GOMP_SPINCOUNT" not in environ:
-        environ["OMP_WAIT_POLICY"] = "ACTIVE"
-        environ["GOMP_SPINCOUNT"] = "30000"
 
 
 def _run_stage(args: argparse.Namespace) -> int:

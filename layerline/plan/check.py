@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from layerline.bench.run import LONG_PROMPT, PROMPT, cluster_aggregate, cluster_long_ttft, cluster_single
+from layerline.bench.clusters import LONG_PROMPT, PROMPT, cluster_aggregate, cluster_long_ttft, cluster_single
 from layerline.launcher import ClusterPlan, LocalCluster
 from layerline.shared.model_config import ModelConfig
 

@@ -158,11 +158,11 @@ def _probe(lab: NetLab, host: Host, target: str, *, new_tokens: int, concurrency
 
 
 def _client(target: str, *, tokens: int, streams: int, rounds: int) -> dict[str, float]:
-    """Inside host A: the local rows' measurements (bench/run.py's), against the chain across the link."""
-    from layerline.bench.run import cluster_aggregate, cluster_long_ttft, cluster_single
+    """Inside host A: the local rows' measurements (bench/clusters.py's), against the chain across the link."""
+    from layerline.bench.clusters import cluster_aggregate, cluster_long_ttft, cluster_single
     from layerline.client import Client
 
-    class Remote:  # what bench/run.py's measurements ask of a cluster
+    class Remote:  # what bench/clusters.py's measurements ask of a cluster
         address, token, ca_cert, certs = target, None, None, None
 
         def client(self) -> Client:

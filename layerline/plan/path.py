@@ -33,7 +33,7 @@ class PathFigures:
 def measure_path(checkpoint: Path, *, port: int, tokens: int, rounds: int, log: Callable[[str], None]) -> PathFigures:
     """Layerline's own path on this machine: single streams of `tokens` through 1 and 2 stages,
     interleaved rounds, medians."""
-    from layerline.bench.run import cluster_aggregate, cluster_single, measured_cluster
+    from layerline.bench.clusters import cluster_aggregate, cluster_single, measured_cluster
 
     logs = Path(tempfile.mkdtemp(prefix="layerline-calibrate-"))
     others: dict[int, list[float]] = {1: [], 2: []}
@@ -74,7 +74,7 @@ def predicted_compute(
     """Seconds of compute a token of one stream takes through a chain of `layers` of the model at
     `checkpoint`, as `profile` predicts it (the bench's prompt and `tokens` more, as `measure_path`
     times them)."""
-    from layerline.bench.run import PROMPT
+    from layerline.bench.clusters import PROMPT
 
     from .check import count_tokens
     from .hardware import CPU, DEFAULT_INTER_HOST, LINKS
