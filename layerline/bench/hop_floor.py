@@ -86,7 +86,14 @@ class Shapes:
 
 
 async def _serve_stage(
-    port: int, shapes: Shapes, start: int, end: int, next_address: str | None, *, threads: int = 1
+    port: int,
+    shapes: Shapes,
+    start: int,
+    end: int,
+    next_address: str | None,
+    *,
+    threads: int = 1,
+    packed: bool = False,
 ) -> None:
     import torch
 
@@ -98,7 +105,13 @@ async def _serve_stage(
     h, i = shapes.hidden_size, shapes.intermediate_size
 
     def weight(seed: int, rows: int, cols: int) -> torch.Tensor:
-        return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * cols**-0.5
+        w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * cols**-0.5
+        return torch.ops.mkldnn._reorder_linear_weight(w, None) if packed else w
+
+    def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if packed:  # oneDNN's kernel on its own layout, as a stage's packed weights take several rows
+            return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        return F.linear(x, w)
 
     layers = [
         (
@@ -109,7 +122,11 @@ async def _serve_stage(
         )
         for n in range(start, end)
     ]
-    embedding = weight(EMBEDDING_SEED, shapes.vocab_size, h) if start == 0 else None
+    embedding = (  # a lookup, never a product: plain
+        torch.randn(shapes.vocab_size, h, generator=torch.Generator().manual_seed(EMBEDDING_SEED)) * h**-0.5
+        if start == 0
+        else None
+    )
     head = weight(HEAD_SEED, shapes.vocab_size, h) if end == shapes.num_layers else None
     limits = CodecLimits()
     answers: dict[str, asyncio.Queue[bytes]] = {"now": asyncio.Queue()}  # the newest subscriber's
@@ -118,10 +135,10 @@ async def _serve_stage(
     @torch.inference_mode()
     def compute(x: torch.Tensor) -> torch.Tensor:  # [rows, hidden]
         for qkv, o, gate_up, down in layers:
-            attn = F.linear(x, qkv)[:, : shapes.o_width]  # [rows, o_width]: a stand-in for attention's output
-            x = x + F.linear(attn, o)
-            gate, up = F.linear(x, gate_up).chunk(2, dim=-1)  # each [rows, intermediate]
-            x = x + F.linear(F.silu(gate) * up, down)
+            attn = linear(x, qkv)[:, : shapes.o_width]  # [rows, o_width]: a stand-in for attention's output
+            x = x + linear(attn.contiguous(), o)
+            gate, up = linear(x, gate_up).chunk(2, dim=-1)  # each [rows, intermediate]
+            x = x + linear(F.silu(gate) * up, down)
         return x
 
     async def step(requests, context):
@@ -142,7 +159,7 @@ async def _serve_stage(
                     )
                 await downstream[0].write(encode(x).SerializeToString())
             else:
-                answers["now"].put_nowait(_message(F.linear(x, head).argmax(-1).tolist()))
+                answers["now"].put_nowait(_message(linear(x, head).argmax(-1).tolist()))
         yield b""
 
     async def results(request, context):
@@ -308,6 +325,7 @@ def measure_hop_floor(
                 json.dumps(asdict(shapes)),
                 "--threads",
                 str(threads),
+                *(["--packed"] if rows > 1 else []),
                 *(["--next", n] if n else []),
             ],
             env={**os.environ, **(env or {})},
@@ -357,10 +375,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", required=True, metavar="JSON")
     parser.add_argument("--next", metavar="ADDR", help="the next stage; none on the last")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
+    parser.add_argument(
+        "--packed", action="store_true", help="products on oneDNN's packed weights (a stage's, for several rows)"
+    )
     args = parser.parse_args(argv)
     start, end = (int(v) for v in args.layers.split(":"))
     openmp_defaults(os.environ)  # a stage's OpenMP wait policy, before torch is imported
-    asyncio.run(_serve_stage(args.port, Shapes(**json.loads(args.shapes)), start, end, args.next, threads=args.threads))
+    shapes = Shapes(**json.loads(args.shapes))
+    asyncio.run(_serve_stage(args.port, shapes, start, end, args.next, threads=args.threads, packed=args.packed))
 
 
 if __name__ == "__main__":
