@@ -1,9 +1,10 @@
 """A stage worker's settings: one frozen dataclass, the command line's defaults included.
 
 Owns `StageSettings` (each field with what it means) and the checks a value must pass before a
-process starts, and `openmp_defaults`, the OpenMP environment a stage process starts torch in. The command line reads its defaults from here and builds one; a tensor-parallel
-stage hands it to its other ranks as JSON (`layerline.shared.settings.to_json`). Imports only
-the standard library and `layerline.shared.settings`, so `layerline --help` stays light.
+process starts, and `openmp_defaults`, the OpenMP environment a stage process starts torch in.
+The command line reads its defaults from here and builds one; a tensor-parallel stage hands it
+to its other ranks as JSON (`layerline.shared.settings.to_json`). Imports only the standard
+library and `layerline.shared.settings`, so `layerline --help` stays light.
 """
 
 from __future__ import annotations
