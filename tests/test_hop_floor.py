@@ -55,6 +55,6 @@ def test_a_relay_stage_that_cannot_listen_is_named_not_waited_for() -> None:
 @pytest.mark.cluster
 def test_a_round_of_one_step_is_measured_by_that_step() -> None:
     """Each block's first step is left out of the medians, unless it is all a round has."""
-    floor = measure_hop_floor(TINY_SHAPES, rounds=1, tokens=1, port=free_ports(3))
+    floor = measure_hop_floor(TINY_SHAPES, rounds=1, tokens=1, port=free_ports(3), rows=2, dtype="bfloat16")
     assert floor.one_stage_gap_ms > 0 and floor.two_stages_gap_ms > 0
     assert len(floor.two_vs_one_stage_rounds) == 1

@@ -39,6 +39,7 @@ import grpc
 from layerline.launcher import split_layers
 from layerline.shared.model_config import ModelConfig
 from layerline.shared.rpc import listen, server_options
+from layerline.shared.settings import DTYPES
 from layerline.stage_worker.settings import openmp_defaults
 
 SERVICE = "layerline.HopFloor"
@@ -94,6 +95,7 @@ async def _serve_stage(
     *,
     threads: int = 1,
     packed: bool = False,
+    dtype: str = "float32",
 ) -> None:
     import torch
 
@@ -104,8 +106,13 @@ async def _serve_stage(
     F = torch.nn.functional
     h, i = shapes.hidden_size, shapes.intermediate_size
 
+    from layerline.stage_worker.layouts import can_pack
+
+    kind = getattr(torch, dtype)
+    packed = packed and can_pack(kind, "cpu")  # where oneDNN has no kernel for the dtype, torch's plain product
+
     def weight(seed: int, rows: int, cols: int) -> torch.Tensor:
-        w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * cols**-0.5
+        w = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * cols**-0.5).to(kind)
         return torch.ops.mkldnn._reorder_linear_weight(w, None) if packed else w
 
     def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -123,7 +130,7 @@ async def _serve_stage(
         for n in range(start, end)
     ]
     embedding = (  # a lookup, never a product: plain
-        torch.randn(shapes.vocab_size, h, generator=torch.Generator().manual_seed(EMBEDDING_SEED)) * h**-0.5
+        (torch.randn(shapes.vocab_size, h, generator=torch.Generator().manual_seed(EMBEDDING_SEED)) * h**-0.5).to(kind)
         if start == 0
         else None
     )
@@ -287,6 +294,7 @@ class HopFloor:
     tokens: int  # per stream and round
     threads: int = 1  # each relay stage's torch threads
     rows: int = 1  # a step's rows (sequences)
+    dtype: str = "float32"  # the weights' and the activations'
     # The 2-stage relay's tokens a second over the 1-stage one's: the median of the rounds' (each
     # round's 1-stage gap over its 2-stage gap, measured taking turns).
     two_vs_one_stage: float = 1.0
@@ -302,6 +310,7 @@ def measure_hop_floor(
     ranges: list[tuple[int, int]] | None = None,
     threads: int = 1,
     rows: int = 1,
+    dtype: str = "float32",
     env: dict[str, str] | None = None,
     log: Callable[[str], None] = lambda _: None,
 ) -> HopFloor:
@@ -310,7 +319,8 @@ def measure_hop_floor(
     `ranges`: the 2-stage relay's split (default: `split_layers` by the bytes of the head);
     `threads`: each relay stage's torch threads, as the measured chain's steps take them; `rows`:
     sequences a step (each relay stage's steps take them all at once, as a chain's stages take
-    turns); `env`: added to each relay stage's environment (a local chain's stage environment:
+    turns; above one, on oneDNN's packed weights where it packs `dtype`); `dtype`: the weights'
+    and activations'; `env`: added to each relay stage's environment (a local chain's stage environment:
     its threads and OpenMP binding; the OpenMP wait policy is a stage's unless it names one).
     """
     shapes = Shapes.of(config)
@@ -335,6 +345,8 @@ def measure_hop_floor(
                 "--threads",
                 str(threads),
                 *(["--packed"] if rows > 1 else []),
+                "--dtype",
+                dtype,
                 *(["--next", n] if n else []),
             ],
             env={**os.environ, **(env or {})},
@@ -353,7 +365,7 @@ def measure_hop_floor(
             proc.wait(timeout=30)
     a, b = statistics.median(one), statistics.median(two)
     within = [x / y for x, y in zip(one, two)]  # each round's 2 stages over 1, in tokens a second
-    return HopFloor(a, b, b - a, ranges, rounds, tokens, threads, rows, statistics.median(within), within)
+    return HopFloor(a, b, b - a, ranges, rounds, tokens, threads, rows, dtype, statistics.median(within), within)
 
 
 def _wait_listening(proc: subprocess.Popen[bytes], port: int) -> None:
@@ -384,6 +396,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", required=True, metavar="JSON")
     parser.add_argument("--next", metavar="ADDR", help="the next stage; none on the last")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and activations (default: float32)")
     parser.add_argument(
         "--packed", action="store_true", help="products on oneDNN's packed weights (a stage's, for several rows)"
     )
@@ -391,7 +404,11 @@ def main(argv: list[str] | None = None) -> None:
     start, end = (int(v) for v in args.layers.split(":"))
     openmp_defaults(os.environ)  # a stage's OpenMP wait policy, before torch is imported
     shapes = Shapes(**json.loads(args.shapes))
-    asyncio.run(_serve_stage(args.port, shapes, start, end, args.next, threads=args.threads, packed=args.packed))
+    asyncio.run(
+        _serve_stage(
+            args.port, shapes, start, end, args.next, threads=args.threads, packed=args.packed, dtype=args.dtype
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -223,7 +223,7 @@ def run_bench(
     finally:
         for cluster in clusters.values():
             cluster.stop()
-    _log(f"the floors of a split: a bare gRPC relay of the model's matmuls (float32; this run {dtype}) ...")
+    _log(f"the floors of a split: a bare gRPC relay of the model's matmuls (a lone row in float32, 32 in {dtype}) ...")
     floor, split32 = (
         measure_hop_floor(
             config,
@@ -233,6 +233,7 @@ def run_bench(
             ranges=two.ranges,  # split as the 2-stage cluster was
             threads=two.chain_threads,  # as its steps run: one at a time, on the chain's cores
             rows=rows,  # a lone stream's hop, then the 32 streams' steps
+            dtype="float32" if rows == 1 else dtype,  # a lone row's relay is float32's floor, in every run
             env=two.stage_env(),  # its threads and OpenMP binding
             log=_log,
         )
