@@ -11,8 +11,9 @@ messages and the weights' matmuls; their ratio at 32 rows is the most 2 stages t
 the cores could keep of 1 stage's tokens a second.
 
 A relay stage is a grpc.aio server. Its step runs each of its layers' matmuls (fused qkv, o,
-fused gate/up, down, with SiLU) on random float32 weights, on the torch threads the measured
-chain's steps take (`threads`), inline on the event loop, with a stage's OpenMP environment. It
+fused gate/up, down, with SiLU) on random weights (float32, or `dtype`; at several rows a step on
+oneDNN's packed layout, as a stage's), on the torch threads the measured chain's steps take
+(`threads`), inline on the event loop, with a stage's OpenMP environment. It
 sends the hidden state, encoded by the codec, to the next stage; the last stage applies the LM
 head and answers each row's argmax token on a Results stream, as layerline's last stage answers
 the coordinator. Weights are seeded by layer index, so both relays compute the same function and
