@@ -13,7 +13,8 @@ import statistics
 
 import pytest
 
-from layerline.bench.hop_floor import HopFloor, Shapes, measure_hop_floor
+from layerline.bench.hop_floor import HopFloor, measure_hop_floor
+from layerline.bench.relay_stage import Shapes
 
 from .stage_client import free_ports
 from .tiny_models import TINY_SHAPES
