@@ -82,13 +82,11 @@ async def _serve_stage(
 
     from layerline.protos.v1 import tensor_pb2
     from layerline.stage_worker.codec import CodecLimits, decode, encode
+    from layerline.stage_worker.layouts import can_pack
 
     torch.set_num_threads(threads)
     F = torch.nn.functional
     h, i = shapes.hidden_size, shapes.intermediate_size
-
-    from layerline.stage_worker.layouts import can_pack
-
     kind = getattr(torch, dtype)
     packed = packed and can_pack(kind, "cpu")  # where oneDNN has no kernel for the dtype, torch's plain product
 
