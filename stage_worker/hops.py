@@ -4,7 +4,9 @@ Owns one channel and one bidirectional Step stream per next-hop address, shared 
 upstream stream whose steps go that way. A forwarded step gets a fresh id on the hop's stream
 (ids from different upstream streams may collide); its StepResult is handed back to whoever
 forwarded it. When a hop's stream breaks, every step still waiting on it is answered with an
-UNAVAILABLE result naming the hop, and the next step to that address opens a new stream.
+UNAVAILABLE result naming the hop, and the next step to that address opens a new stream on a
+new channel (a kept one would wait out gRPC's reconnect backoff, a second and growing, before it
+reached a hop restarted on the same address).
 
 Knows nothing of models or tensors beyond the frames it is handed.
 """
@@ -49,6 +51,7 @@ class NextHop:
         self._write_lock = asyncio.Lock()
         self._ids = itertools.count(1)
         self._waiting: dict[int, _Waiting] = {}  # steps sent on the current stream
+        self._closing: set[asyncio.Task[None]] = set()  # the channels of broken streams, closing
 
     @property
     def in_flight(self) -> int:
@@ -73,6 +76,7 @@ class NextHop:
                 for frame in chunks:
                     await call.write(frame)
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as err:
+                self._drop(self._call)
                 self._fail_all(f"next hop {self.address} is unreachable: {_describe(err)}")
 
     def _ensure_stream(self) -> grpc.aio.StreamStreamCall:
@@ -98,9 +102,19 @@ class NextHop:
                 waiting.deliver(result)
         except grpc.aio.AioRpcError as err:
             reason = f"next hop {self.address} failed: {_describe(err)}"
-        if self._call is call:
-            self._call = None
+        self._drop(call)
         self._fail_all(reason, waiting_on)
+
+    def _drop(self, call: grpc.aio.StreamStreamCall | None) -> None:
+        """Forget a broken stream, if it is still the current one, and its channel with it."""
+        if call is None or self._call is not call:
+            return
+        channel, self._channel, self._call = self._channel, None, None
+        call.cancel()
+        if channel is not None:
+            closing = asyncio.get_running_loop().create_task(channel.close(None))
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
 
     def _fail_all(self, reason: str, waiting_on: dict[int, _Waiting] | None = None) -> None:
         waiting_on = self._waiting if waiting_on is None else waiting_on
@@ -123,6 +137,7 @@ class NextHop:
         if self._channel is not None:
             await self._channel.close(None)
         self._channel = self._call = None
+        await asyncio.gather(*self._closing)
 
 
 class NextHops:
