@@ -4,12 +4,14 @@ Owns starting each process from a command fixed at its first start (argv, enviro
 file), noticing when one exits, starting it again from the same command after an exponential
 backoff (its log appended to, with a line that says which restart and why), giving up on a
 process that exits too often (`CrashLoop` names it, its last exit status and the end of its
-log), and stopping them all (SIGTERM, then SIGKILL after a grace period). Knows nothing of what
-the processes are: the launcher says what to run. One thread polls and stops; no locking.
+log), and stopping them all (SIGTERM, then, after a grace period, SIGUSR1 for the stacks of a
+process still running and SIGKILL). Knows nothing of what the processes are: the launcher says
+what to run. One thread polls and stops; no locking.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -21,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["Command", "CrashLoop", "RestartPolicy", "Supervisor", "exit_status"]
+
+STACKS_WAIT = 1.0  # seconds a process that outlived its grace gets to write its stacks before SIGKILL
 
 
 @dataclass(frozen=True)
@@ -161,6 +165,10 @@ class Supervisor:
             try:
                 child.proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                self.report(f"{child.command.name} did not exit within {grace:g}s of SIGTERM: its stacks go to its log")
+                child.proc.send_signal(signal.SIGUSR1)  # every thread's stack (see configure_logging)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.proc.wait(STACKS_WAIT)
                 child.proc.kill()
                 child.proc.wait()
 

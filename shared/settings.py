@@ -10,9 +10,11 @@ command line reads every default from here without loading anything heavy.
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import json
 import logging
 import re
+import signal
 import typing
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -99,8 +101,11 @@ def format_size(nbytes: int) -> str:
 
 
 def configure_logging() -> None:
-    """Log lines for long-running processes (stage workers and their ranks, the coordinator)."""
+    """Log lines for long-running processes (stage workers and their ranks, the coordinator), and
+    every thread's stack in the same log on SIGUSR1 (`kill -USR1 PID`; `layerline up` sends it to a
+    process that does not exit within its grace, before SIGKILL)."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def to_json(settings: object) -> str:

@@ -112,3 +112,31 @@ def test_a_policy_that_cannot_work_is_refused() -> None:
         RestartPolicy(max_restarts=-1)
     with pytest.raises(ValueError, match="restart delays"):
         RestartPolicy(first_delay=2, max_delay=1)
+
+
+@pytest.mark.timeout(60)
+def test_a_process_that_ignores_sigterm_leaves_its_stacks_in_its_log_before_sigkill(tmp_path: Path) -> None:
+    said: list[str] = []
+    supervisor = Supervisor(RestartPolicy(), report=said.append)
+    hung = (
+        "import signal, sys, time\n"
+        "from shared.settings import configure_logging\n"
+        "configure_logging()\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "def stuck_in_shutdown():\n"
+        "    print('up', flush=True)\n"
+        "    while True:\n"
+        "        time.sleep(0.05)\n"
+        "stuck_in_shutdown()\n"
+    )
+    proc = supervisor.start(_command(tmp_path, "hung", hung))
+    log = tmp_path / "hung.log"
+    deadline = time.monotonic() + 30
+    while "up" not in log.read_text():
+        assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+        time.sleep(0.05)
+    supervisor.stop(grace=0.5)
+    assert proc.returncode == -signal.SIGKILL
+    assert said == ["hung did not exit within 0.5s of SIGTERM: its stacks go to its log"]
+    stacks = log.read_text()
+    assert 'File "<string>", line 8 in stuck_in_shutdown' in stacks, stacks
