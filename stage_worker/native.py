@@ -255,7 +255,7 @@ class PagedAttentionKernel:
             out.data_ptr(),
         )
         if failed:
-            raise MemoryError(f"the attention kernel could not allocate scores for {h} heads x {int(batch.lens.max())}")
+            raise MemoryError(f"the attention kernel had no memory for {h} heads x {int(batch.lens.max())} scores")
         return out.to(q.dtype)
 
 

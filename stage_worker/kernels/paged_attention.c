@@ -13,14 +13,15 @@
  * (`fetch`): between two layers' calls the weights' products have pushed the pools out of the caches.
  *
  * The pools hold float32 or bfloat16 (`bf16`); the queries, the scores, the softmax and the sums
- * are float32 either way: a bfloat16 key or value is widened exactly as it is read.
+ * are float32 either way: a bfloat16 block of keys or values is widened (exactly) into a buffer of
+ * the thread's once, and read from there by each of the query heads that share a kv head.
  *
  * `layerline_rotate_and_store`, at the end, is the step before: rotary on the decode batch's
  * queries and keys and its new keys and values written to the pools, rounded as torch rounds.
  *
  * The caller (native.py) checks every shape, dtype, stride and index before the call: this code
- * trusts them. Returns 0, or 1 when a thread's buffer of scores could not be allocated (`out` is then
- * incomplete).
+ * trusts them. Returns 0, or 1 when a thread's buffer (scores, widened rows) could not be
+ * allocated (`out` is then incomplete).
  */
 #include <float.h>
 #include <math.h>
@@ -74,53 +75,51 @@ static inline float widen(uint16_t b) {
     return x.f;
 }
 
-/* q . k over d, k float32 or bfloat16. */
-static inline float dot(const float *restrict q, const void *restrict k, int64_t d, int bf16) {
+/* q . k over d. */
+static inline float dot(const float *restrict q, const float *restrict k, int64_t d) {
     float acc = 0.f;
-    if (bf16) {
-        const uint16_t *kb = k;
 #pragma omp simd reduction(+ : acc)
-        for (int64_t i = 0; i < d; ++i) acc += q[i] * widen(kb[i]);
-    } else {
-        const float *kf = k;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t i = 0; i < d; ++i) acc += q[i] * kf[i];
-    }
+    for (int64_t i = 0; i < d; ++i) acc += q[i] * k[i];
     return acc;
 }
 
-/* o += w * v over d, v float32 or bfloat16. */
-static inline void axpy(float *restrict o, float w, const void *restrict v, int64_t d, int bf16) {
-    if (bf16) {
-        const uint16_t *vb = v;
+/* o += w * v over d. */
+static inline void axpy(float *restrict o, float w, const float *restrict v, int64_t d) {
 #pragma omp simd
-        for (int64_t i = 0; i < d; ++i) o[i] += w * widen(vb[i]);
-    } else {
-        const float *vf = v;
+    for (int64_t i = 0; i < d; ++i) o[i] += w * v[i];
+}
+
+/* `count` elements of a pool from `rows` as float32: the pool's own memory where it holds float32,
+ * else widened into `wide` once, for every query head that reads them (a group of them reads each
+ * kv head's row). */
+static inline const float *as_float(const char *restrict rows, int64_t count, int bf16, float *restrict wide) {
+    if (!bf16) return (const float *)rows;
+    const uint16_t *b = (const uint16_t *)rows;
 #pragma omp simd
-        for (int64_t i = 0; i < d; ++i) o[i] += w * vf[i];
-    }
+    for (int64_t i = 0; i < count; ++i) wide[i] = widen(b[i]);
+    return wide;
 }
 
 /* One sequence of `len` positions whose blocks are `table`: out [h, d] from q [h, d]. `scores`
- * holds h * len floats. Query heads g * group .. g * group + group - 1 read kv head g. Inlined into
- * `attend_one` once for each head size and pool dtype it names, so that those loops run on
- * constants (no remainder loops, no dtype test per row). */
+ * holds h * len floats, `wide` a block's kvh * d * block. Query heads g * group .. g * group +
+ * group - 1 read kv head g. Inlined into `attend_one` once for each head size and pool dtype it
+ * names, so that those loops run on constants (no remainder loops, no dtype test per row). */
 static inline __attribute__((always_inline)) void attend(const float *restrict q, const char *restrict k_pool,
                                                          const char *restrict v_pool, const int bf16,
                                                          const int64_t *restrict table, int64_t len, int64_t block,
                                                          int64_t h, int64_t kvh, const int64_t d, float scale,
-                                                         float *restrict scores, float *restrict out) {
+                                                         float *restrict scores, float *restrict wide,
+                                                         float *restrict out) {
     const int64_t group = h / kvh, size = bf16 ? 2 : 4, row = kvh * d * size; /* row: bytes */
     for (int64_t b = 0, p0 = 0; p0 < len; ++b, p0 += block) {
         const int64_t n = len - p0 < block ? len - p0 : block;
-        const char *keys = k_pool + table[b] * block * row;
+        const float *keys = as_float(k_pool + table[b] * block * row, n * kvh * d, bf16, wide);
         const char *next = p0 + block < len ? k_pool + table[b + 1] * block * row : v_pool + table[0] * block * row;
         for (int64_t t = 0; t < n; ++t) {
             fetch(next + t * row, row);
             for (int64_t g = 0; g < kvh; ++g)
                 for (int64_t j = g * group; j < (g + 1) * group; ++j)
-                    scores[j * len + p0 + t] = dot(q + j * d, keys + t * row + g * d * size, d, bf16) * scale;
+                    scores[j * len + p0 + t] = dot(q + j * d, keys + (t * kvh + g) * d, d) * scale;
         }
     }
     for (int64_t j = 0; j < h; ++j) {
@@ -138,13 +137,13 @@ static inline __attribute__((always_inline)) void attend(const float *restrict q
     memset(out, 0, sizeof(float) * (size_t)(h * d));
     for (int64_t b = 0, p0 = 0; p0 < len; ++b, p0 += block) {
         const int64_t n = len - p0 < block ? len - p0 : block;
-        const char *values = v_pool + table[b] * block * row;
+        const float *values = as_float(v_pool + table[b] * block * row, n * kvh * d, bf16, wide);
         const char *next = p0 + block < len ? v_pool + table[b + 1] * block * row : NULL;
         for (int64_t t = 0; t < n; ++t) {
             if (next) fetch(next + t * row, row);
             for (int64_t g = 0; g < kvh; ++g)
                 for (int64_t j = g * group; j < (g + 1) * group; ++j)
-                    axpy(out + j * d, scores[j * len + p0 + t], values + t * row + g * d * size, d, bf16);
+                    axpy(out + j * d, scores[j * len + p0 + t], values + (t * kvh + g) * d, d);
         }
     }
 }
@@ -152,8 +151,8 @@ static inline __attribute__((always_inline)) void attend(const float *restrict q
 /* `attend` on constants where it can: head sizes 64 and 128, each pool dtype. */
 static void attend_one(const float *restrict q, const char *restrict k_pool, const char *restrict v_pool, int bf16,
                        const int64_t *restrict table, int64_t len, int64_t block, int64_t h, int64_t kvh, int64_t d,
-                       float scale, float *restrict scores, float *restrict out) {
-#define ATTEND(BF16, D) attend(q, k_pool, v_pool, BF16, table, len, block, h, kvh, D, scale, scores, out)
+                       float scale, float *restrict scores, float *restrict wide, float *restrict out) {
+#define ATTEND(BF16, D) attend(q, k_pool, v_pool, BF16, table, len, block, h, kvh, D, scale, scores, wide, out)
     if (d == 64)
         bf16 ? ATTEND(1, 64) : ATTEND(0, 64);
     else if (d == 128)
@@ -173,16 +172,18 @@ int layerline_paged_attention(const float *restrict q, const void *restrict k_po
     if (n == 0) return 0;
     int64_t longest = 0;
     for (int64_t s = 0; s < n; ++s) longest = lens[s] > longest ? lens[s] : longest;
+    /* Each thread's buffer, in whole 64-byte lines: the scores, then (bfloat16 pools) `wide` on a line of its own. */
+    const int64_t scored = (h * longest + 15) / 16 * 16, widened = bf16 ? (block * kvh * d + 15) / 16 * 16 : 0;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(h * longest));
+        float *scores = aligned_alloc(64, sizeof(float) * (size_t)(scored + widened));
         failed = scores == NULL;
 #pragma omp for schedule(static)
         for (int64_t s = 0; s < n; ++s) {
             if (scores != NULL)
                 attend_one(q + s * h * d, k_pool, v_pool, bf16, tables + s * width, lens[s], block, h, kvh, d, scale,
-                           scores, out + s * h * d);
+                           scores, scores + scored, out + s * h * d);
         }
         free(scores);
     }
