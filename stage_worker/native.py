@@ -115,7 +115,8 @@ class PagedAttentionKernel:
         self.path = path
         library = ctypes.CDLL(str(path))
         self._fn = library.layerline_paged_attention
-        self._fn.argtypes = [_P, _P, _P, ctypes.c_int, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int, _P]
+        self._fn.argtypes = [_P, ctypes.c_int, _P, _P, ctypes.c_int, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float]
+        self._fn.argtypes += [ctypes.c_int, _P]
         self._fn.restype = ctypes.c_int
         self._store = library.layerline_rotate_and_store
         self._store.argtypes = [_P, _P, _P, _P, ctypes.c_int, _I, _I, _I, _I, ctypes.c_int, _P, _P, _P]
@@ -235,10 +236,11 @@ class PagedAttentionKernel:
             raise ValueError(f"key and value pools of unlike dtypes ({k_pool.dtype}, {v_pool.dtype})")
         if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
             raise ValueError("the KV pools must be contiguous")
-        wide = q.to(torch.float32).contiguous()
-        out = torch.empty(n, h * d, dtype=torch.float32)
+        q = q.contiguous()
+        out = torch.empty(n, h * d, dtype=q.dtype)
         failed = self._fn(
-            wide.data_ptr(),
+            q.data_ptr(),
+            q.dtype == torch.bfloat16,
             k_pool.data_ptr(),
             v_pool.data_ptr(),
             k_pool.dtype == torch.bfloat16,
@@ -256,7 +258,7 @@ class PagedAttentionKernel:
         )
         if failed:
             raise MemoryError(f"the attention kernel had no memory for {h} heads x {int(batch.lens.max())} scores")
-        return out.to(q.dtype)
+        return out
 
 
 def load() -> PagedAttentionKernel:

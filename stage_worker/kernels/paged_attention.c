@@ -75,6 +75,13 @@ static inline float widen(uint16_t b) {
     return x.f;
 }
 
+/* A float32's nearest bfloat16, ties to even (NaN stays a quiet NaN), as torch rounds. */
+static inline uint16_t narrow(float f) {
+    union { float f; uint32_t u; } x = { .f = f };
+    if ((x.u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
+}
+
 /* q . k over d. */
 static inline float dot(const float *restrict q, const float *restrict k, int64_t d) {
     float acc = 0.f;
@@ -162,39 +169,45 @@ static void attend_one(const float *restrict q, const char *restrict k_pool, con
 #undef ATTEND
 }
 
-/* q [n, h, d] float32; k_pool, v_pool [slots, kvh, d], bfloat16 if `bf16` else float32; tables
- * [n, width] block ids; lens [n] (each at least 1, at most width * block); out [n, h, d] float32.
- * All contiguous. */
-int layerline_paged_attention(const float *restrict q, const void *restrict k_pool, const void *restrict v_pool,
-                              int bf16, const int64_t *restrict tables, const int64_t *restrict lens, int64_t n,
-                              int64_t width, int64_t block, int64_t h, int64_t kvh, int64_t d, float scale,
-                              int threads, float *restrict out) {
+/* q [n, h, d], bfloat16 if `q_bf16` else float32; k_pool, v_pool [slots, kvh, d], bfloat16 if
+ * `bf16` else float32; tables [n, width] block ids; lens [n] (each at least 1, at most width *
+ * block); out [n, h, d] in q's dtype. All contiguous. A bfloat16 query is widened (exactly) as the
+ * call begins and its output rounded once at the end, as torch's conversions around it would. */
+int layerline_paged_attention(const void *restrict q, int q_bf16, const void *restrict k_pool,
+                              const void *restrict v_pool, int bf16, const int64_t *restrict tables,
+                              const int64_t *restrict lens, int64_t n, int64_t width, int64_t block, int64_t h,
+                              int64_t kvh, int64_t d, float scale, int threads, void *restrict out) {
     if (n == 0) return 0;
     int64_t longest = 0;
     for (int64_t s = 0; s < n; ++s) longest = lens[s] > longest ? lens[s] : longest;
-    /* Each thread's buffer, in whole 64-byte lines: the scores, then (bfloat16 pools) `wide` on a line of its own. */
-    const int64_t scored = (h * longest + 15) / 16 * 16, widened = bf16 ? (block * kvh * d + 15) / 16 * 16 : 0;
+    /* Each thread's buffer, in whole 64-byte lines: the scores; then, for bfloat16 pools, a block of
+     * them widened; and for a bfloat16 query, it widened and its output before rounding. */
+    const int64_t scored = (h * longest + 15) / 16 * 16, widened = bf16 ? (block * kvh * d + 15) / 16 * 16 : 0,
+                  head = (h * d + 15) / 16 * 16, query = q_bf16 ? 2 * head : 0;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        float *scores = aligned_alloc(64, sizeof(float) * (size_t)(scored + widened));
+        float *scores = aligned_alloc(64, sizeof(float) * (size_t)(scored + widened + query));
+        float *wide = scores + scored, *qw = wide + widened, *ow = qw + head;
         failed = scores == NULL;
 #pragma omp for schedule(static)
         for (int64_t s = 0; s < n; ++s) {
-            if (scores != NULL)
-                attend_one(q + s * h * d, k_pool, v_pool, bf16, tables + s * width, lens[s], block, h, kvh, d, scale,
-                           scores, scores + scored, out + s * h * d);
+            if (scores == NULL) continue;
+            const int64_t at = s * h * d;
+            if (q_bf16) {
+                attend_one(as_float((const char *)q + 2 * at, h * d, 1, qw), k_pool, v_pool, bf16, tables + s * width,
+                           lens[s], block, h, kvh, d, scale, scores, wide, ow);
+                uint16_t *o = (uint16_t *)out + at;
+#pragma omp simd
+                for (int64_t i = 0; i < h * d; ++i) o[i] = narrow(ow[i]);
+            } else {
+                attend_one((const float *)q + at, k_pool, v_pool, bf16, tables + s * width, lens[s], block, h, kvh, d,
+                           scale, scores, wide, (float *)out + at);
+            }
         }
         free(scores);
     }
     return failed;
-}
-
-/* A float32's nearest bfloat16, ties to even (NaN stays a quiet NaN), as torch rounds. */
-static inline uint16_t narrow(float f) {
-    union { float f; uint32_t u; } x = { .f = f };
-    if ((x.u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
 }
 
 /* Rotary on the queries and keys of a step's rows, and the keys and values stored in the pools.
