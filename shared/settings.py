@@ -105,7 +105,10 @@ def configure_logging() -> None:
     every thread's stack in the same log on SIGUSR1 (`kill -USR1 PID`; `layerline up` sends it to a
     process that does not exit within its grace, before SIGKILL)."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    try:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    except (OSError, ValueError, AttributeError):  # stderr without a file descriptor (captured, in-process)
+        pass
 
 
 def to_json(settings: object) -> str:
