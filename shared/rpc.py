@@ -75,10 +75,17 @@ def aio_channel(
     *,
     credentials: grpc.ChannelCredentials | None = None,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    own_subchannels: bool = False,
 ) -> grpc.aio.Channel:
     """An asyncio channel to `target`: TLS with `credentials` (a cluster member's mutual
-    credentials, or a client's CA), else plaintext; the shared options either way."""
+    credentials, or a client's CA), else plaintext; the shared options either way.
+
+    `own_subchannels`: its connections are its own, not shared through gRPC's process-wide pool
+    with other channels of the same target and options, so a new channel connects afresh even
+    while an older one to the same address still waits out its reconnect backoff."""
     options = channel_options(max_message_bytes)
+    if own_subchannels:
+        options.append(("grpc.use_local_subchannel_pool", 1))
     if credentials is None:
         return grpc.aio.insecure_channel(target, options=options)
     return grpc.aio.secure_channel(target, credentials, options=options)

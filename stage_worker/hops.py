@@ -5,7 +5,8 @@ upstream stream whose steps go that way. A forwarded step gets a fresh id on the
 (ids from different upstream streams may collide); its StepResult is handed back to whoever
 forwarded it. When a hop's stream breaks, every step still waiting on it is answered with an
 UNAVAILABLE result naming the hop, and the next step to that address opens a new stream on a
-new channel (a kept one would wait out gRPC's reconnect backoff, a second and growing, before it
+new channel with connections of its own (a kept channel, or one sharing gRPC's pool of
+connections with it, would wait out its reconnect backoff, a second and growing, before it
 reached a hop restarted on the same address).
 
 Knows nothing of models or tensors beyond the frames it is handed.
@@ -83,7 +84,10 @@ class NextHop:
         if self._call is None or self._call.done():
             if self._channel is None:
                 self._channel = aio_channel(
-                    self.address, credentials=self._credentials, max_message_bytes=self._max_message_bytes
+                    self.address,
+                    credentials=self._credentials,
+                    max_message_bytes=self._max_message_bytes,
+                    own_subchannels=True,  # not the backing-off connection of the channel just dropped
                 )
             self._call = stage_pb2_grpc.StageWorkerStub(self._channel).Step()
             self._waiting = {}  # a fresh dict per stream: the old stream's reader fails its own
