@@ -49,7 +49,14 @@ class RowPath(Protocol):
     Returns what `StageModel.forward` returns, or None where it cannot serve the step."""
 
     def __call__(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, cache: PagedKVCache, slots: slice, threads: int
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        *,
+        cache: PagedKVCache,
+        layout: StepLayout,
+        threads: int,
     ) -> torch.Tensor | None: ...
 
 
@@ -350,7 +357,7 @@ class StageModel(nn.Module):
         x = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs  # [T, hidden]
         cos, sin = self.rope(layout.positions, x.dtype)
         if self.row_path is not None and layout.decode_slots is not None and x.shape[0] == 1:
-            out = self.row_path(x, cos, sin, cache=cache, slots=layout.decode_slots, threads=self.step_threads.count)
+            out = self.row_path(x, cos, sin, cache=cache, layout=layout, threads=self.step_threads.count)
             if out is not None:
                 return out
         for layer in self.layers.values():

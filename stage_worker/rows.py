@@ -9,6 +9,8 @@ the math of `DecoderLayer` and of the head, written once more for one row, over 
 weights as a single row multiplies them (`RowWeight`: on several threads, blocks of the output
 columns, so that each thread streams its own part of a weight; layouts.py says what it measured).
 The module path stays the reference: tests/test_model_core.py checks both give the same logits.
+A layer's rotary, KV writes and attention go through the compiled kernels where they serve
+(row_attention.py: two calls a layer), else through torch's operations below.
 
 It serves a step when the layouts offer every layer's row weight, on one rank (the path has no
 collectives), for a token whose context is one run of cache slots (`StepLayout.decode_slots`);
@@ -27,8 +29,9 @@ import torch
 from torch import nn
 
 from .fused import norm_kernel, silu_kernel
-from .kv_cache import PagedKVCache
+from .kv_cache import PagedKVCache, StepLayout
 from .llama import DecoderLayer, StageModel, decode_attention, rms_norm
+from .row_attention import bind
 
 # How a single row multiplies a linear layer: (w, b) with y = (x @ w).view(1, -1) + b for x [1, in],
 # or, where w is oneDNN's packed weight (`w.is_mkldnn`), x W^T + b through oneDNN (see `row_product`).
@@ -173,30 +176,46 @@ class RowPath:
         return _RowPlan(tuple(layer for layer in layers if layer is not None), head, norm)
 
     def __call__(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, cache: PagedKVCache, slots: slice, threads: int
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        *,
+        cache: PagedKVCache,
+        layout: StepLayout,
+        threads: int,
     ) -> torch.Tensor | None:
-        """The layers (and head) for one token whose context is the cache slots `slots`, the new
-        token's last. x [1, hidden]; cos, sin [1, 1, head_dim]. Returns what `StageModel.forward`
-        returns, or None where this path cannot serve (no plan)."""
+        """The layers (and head) for one token whose context is the cache slots `layout.decode_slots`,
+        the new token's last. x [1, hidden]; cos, sin [1, 1, head_dim]. Returns what
+        `StageModel.forward` returns, or None where this path cannot serve (no plan)."""
         plan = self.plan(threads)
-        if plan is None:
+        slots = layout.decode_slots
+        if plan is None or slots is None:
             return None
         model = self.model
         h, kvh = model.shards.num_heads, model.shards.num_kv_heads
         d, eps = model.config.head_dim, model.config.rms_norm_eps
-        rotate = rotary(cos[0], sin[0])  # this position's rotary, for every layer
+        # The compiled kernels' rotary, writes and attention where they serve (row_attention.py);
+        # else torch's operations, with this position's rotary made once for every layer.
+        kernels = bind(layout, cos, sin, pool=cache.k[plan.layers[0].layer_id], heads=h) if plan.layers else None
+        rotate = rotary(cos[0], sin[0]) if kernels is None else None
         new = slots.stop - 1  # the new token's slot
         # Slices and views rather than split, chunk and transposes: each call after a product runs
         # cold, and these are most of a layer's calls (a step in bfloat16 20.4-20.6 against
         # 21.0-21.4 ms, float32 25.0 against 26.0; one process, two threads, Intel Xeon with AMX).
         for layer in plan.layers:
-            qkv = row_product(row_norm(x, layer.input_norm, eps), layer.qkv).view(h + 2 * kvh, d)
-            qk = rotate(qkv[: h + kvh])  # as in Attention: [h + kvh, d]
-            cache.k[layer.layer_id][new].copy_(qk[h:])
-            cache.v[layer.layer_id][new].copy_(qkv[h + kvh :])
-            keys = cache.k_heads[layer.layer_id][:, :, slots]  # [1, kvh, L, d], a view
-            values = cache.v_heads[layer.layer_id][:, :, slots]
-            x = row_add_product(x, decode_attention(qk[:h].view(1, h, d), keys, values, mask=None), layer.o)
+            qkv = row_product(row_norm(x, layer.input_norm, eps), layer.qkv)  # [1, (h + 2 kvh) d]
+            if kernels is not None:
+                x = row_add_product(x, kernels(qkv, cache.k[layer.layer_id], cache.v[layer.layer_id]), layer.o)
+            else:
+                assert rotate is not None
+                qkv = qkv.view(h + 2 * kvh, d)
+                qk = rotate(qkv[: h + kvh])  # as in Attention: [h + kvh, d]
+                cache.k[layer.layer_id][new].copy_(qk[h:])
+                cache.v[layer.layer_id][new].copy_(qkv[h + kvh :])
+                keys = cache.k_heads[layer.layer_id][:, :, slots]  # [1, kvh, L, d], a view
+                values = cache.v_heads[layer.layer_id][:, :, slots]
+                x = row_add_product(x, decode_attention(qk[:h].view(1, h, d), keys, values, mask=None), layer.o)
             gate_up = row_product(row_norm(x, layer.post_attention_norm, eps), layer.gate_up)
             x = row_add_product(x, row_silu_mul(gate_up), layer.down)
         if plan.head is None:

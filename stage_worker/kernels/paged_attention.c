@@ -188,8 +188,10 @@ int layerline_paged_attention(const void *restrict q, int q_bf16, const void *re
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         float *scores = aligned_alloc(64, sizeof(float) * (size_t)(scored + widened + query));
-        float *wide = scores + scored, *qw = wide + widened, *ow = qw + head;
         failed = scores == NULL;
+        /* Offsets into the buffer only once it exists: arithmetic on a null pointer is undefined. */
+        float *wide = failed ? NULL : scores + scored, *qw = failed ? NULL : wide + widened,
+              *ow = failed ? NULL : qw + head;
 #pragma omp for schedule(static)
         for (int64_t s = 0; s < n; ++s) {
             if (scores == NULL) continue;

@@ -1,0 +1,97 @@
+"""A lone decoding row's rotary, KV writes and attention through the compiled kernels
+(stage_worker/row_attention.py): the logits, the greedy tokens and the KV that torch's operations
+give on the row path, each layer through the kernels, and arguments that do not fit refused."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from layerline.shared.model_config import LayerRange
+from layerline.stage_worker import row_attention, rows
+from layerline.stage_worker.weights import load_stage
+
+from .pipeline import cache_for
+from .tiny_models import make_tiny_checkpoint
+
+PROMPT = [1, 17, 42, 99, 3, 5, 8, 13, 21, 34, 55]
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_lone_row_through_the_kernels_gives_torchs_logits_tokens_and_kv(tmp_path, monkeypatch, dtype):
+    make_tiny_checkpoint("smollm2", tmp_path)
+    stage = load_stage(tmp_path, LayerRange(0, 4), dtype=dtype)
+    stage.set_threads(2)
+    calls = []
+    bound = row_attention.RowAttention.__call__
+
+    def counted(self, qkv, k_pool, v_pool):
+        calls.append(k_pool.data_ptr())
+        return bound(self, qkv, k_pool, v_pool)
+
+    monkeypatch.setattr(row_attention.RowAttention, "__call__", counted)
+    caches = {way: cache_for(stage) for way in ("kernels", "torch")}
+    new, seen = {way: list(PROMPT) for way in caches}, {way: [] for way in caches}
+    for step in range(6):
+        logits = {}
+        for way, cache in caches.items():
+            if way == "torch":
+                monkeypatch.setattr(rows, "bind", lambda *args, **kwargs: None)
+            else:
+                monkeypatch.setattr(rows, "bind", row_attention.bind)
+            cache.reserve("s", len(new[way]))
+            layout = cache.plan_step(["s"], [len(new[way])])
+            with torch.no_grad():
+                logits[way] = stage(torch.tensor(new[way]), cache=cache, layout=layout, logit_rows=layout.last_rows())
+            seen[way].append(int(logits[way][-1].argmax()))
+            new[way] = [seen[way][-1]]
+        # float32 sums in another order (the attention); bfloat16 rounds the same sums at 0.004 near 1
+        tolerance = 1e-5 if dtype == torch.float32 else 0.03
+        torch.testing.assert_close(logits["kernels"], logits["torch"], atol=tolerance, rtol=0)
+        if step == 0:  # the prompt is a prefill: neither way takes the row path
+            assert calls == []
+    assert seen["kernels"] == seen["torch"]
+    layers = stage.layer_range
+    assert len(calls) == 5 * len(layers)  # every layer of every decoding step through the kernels
+    assert calls[: len(layers)] == [caches["kernels"].k[i].data_ptr() for i in layers]
+    first, kernels, torchs = layers.start, caches["kernels"], caches["torch"]
+    # Layer 0's values to the bit, its keys as torch rotates them (the row path's float32 rotary is
+    # one product, equal to rounding); later layers' inputs carry the attention's other order.
+    assert torch.equal(kernels.v[first], torchs.v[first])
+    key_tolerance = 1e-6 if dtype == torch.float32 else 0.0
+    torch.testing.assert_close(kernels.k[first], torchs.k[first], atol=key_tolerance, rtol=0)
+    for i in layers:
+        torch.testing.assert_close(kernels.k[i], torchs.k[i], atol=tolerance, rtol=0)
+        torch.testing.assert_close(kernels.v[i], torchs.v[i], atol=tolerance, rtol=0)
+
+
+def test_a_bound_row_refuses_pools_and_rows_it_was_not_bound_for(tmp_path):
+    make_tiny_checkpoint("smollm2", tmp_path)
+    stage = load_stage(tmp_path, LayerRange(0, 2))
+    cache = cache_for(stage)
+    cache.reserve("s", 3)
+    cache.plan_step(["s"], [3])
+    cache.reserve("s", 1)
+    layout = cache.plan_step(["s"], [1])
+    cos, sin = stage.rope(layout.positions, torch.float32)
+    h, kvh, d = stage.shards.num_heads, stage.shards.num_kv_heads, stage.config.head_dim
+    kernels = row_attention.bind(layout, cos, sin, pool=cache.k[0], heads=h)
+    assert kernels is not None
+    qkv = torch.randn(1, (h + 2 * kvh) * d)
+    assert kernels(qkv, cache.k[0], cache.v[0]).shape == (1, h * d)
+    with pytest.raises(ValueError, match="pools must be contiguous"):
+        kernels(qkv, cache.k[0][:-1], cache.v[0])
+    with pytest.raises(ValueError, match="pools must be contiguous"):
+        kernels(qkv, cache.k[0], cache.v[0].bfloat16())
+    with pytest.raises(ValueError, match="qkv must be"):
+        kernels(qkv[:, :-1], cache.k[0], cache.v[0])
+    with pytest.raises(ValueError, match="cos and sin must be"):
+        row_attention.bind(layout, cos[..., :-2], sin[..., :-2], pool=cache.k[0], heads=h)
+    # bfloat16 cos and sin for float32 pools: not the kernels' (one dtype for all), torch's way
+    assert row_attention.bind(layout, cos.bfloat16(), sin.bfloat16(), pool=cache.k[0], heads=h) is None
