@@ -9,7 +9,8 @@ of the same weight that is faster on CPU (each class below says what it measured
   when the step runs on several threads);
 - the LM head becomes `LMHead` (column blocks of its weight);
 - then, where oneDNN serves the dtype (`can_pack`) and the weight layout is not `plain`,
-  `pack_linears` wraps each of them in a `PackedLinear`;
+  `pack_linears` wraps each of them in a `PackedLinear`, and the model gets the `DecodePath`
+  (decode_path.py) that runs a decode batch's step over the packed weights without the modules;
 - each layout offers `row_weight(threads)`, how a single row multiplies it (a plain one on
   several threads: blocks of its output columns, `_row_blocks`; a packed one alone: the packed
   weight, through oneDNN), and the model gets the `RowPath` (rows.py) that runs a step of one
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .decode_path import DecodePath
 from .llama import DecoderLayer, StageModel, StepThreads, VocabParallelEmbedding
 from .quantize import Int8Embedding, QuantizeError, quantized
 from .rows import RowPath, RowWeight, row_product
@@ -302,6 +304,7 @@ def apply_layouts(
         model.lm_head = LMHead.of(model.lm_head)
     if weight_layout != "plain" and can_pack(dtype, device):
         pack_linears(model, keep_plain=weight_layout == "both" and dtype == torch.float32)
+        model.decode_path = DecodePath(model)  # a decode batch's step over the packed weights
     model.row_path = RowPath(model)  # a step of one token over the layers' row weights
     return model
 

@@ -60,6 +60,23 @@ class RowPath(Protocol):
     ) -> torch.Tensor | None: ...
 
 
+class DecodePath(Protocol):
+    """A faster way through a stage for a step of decoding sequences only, over the same weights:
+    decode_path.py's, which the CPU layouts install where they pack (layouts.py). Returns what
+    `StageModel.forward` returns, or None where it cannot serve the step."""
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        *,
+        cache: PagedKVCache,
+        layout: StepLayout,
+        logit_rows: torch.Tensor | None,
+    ) -> torch.Tensor | None: ...
+
+
 @dataclass
 class StepThreads:
     """How many CPU threads the current step runs on. The engine decides it per step and tells
@@ -315,6 +332,7 @@ class StageModel(nn.Module):
         self.lm_head: nn.Module | None = head
         self.register_buffer("inv_freq", rope_inv_freq(config.rope, config.head_dim), persistent=False)
         self.row_path: RowPath | None = None  # for a step of one token (see RowPath); layouts.py sets it
+        self.decode_path: DecodePath | None = None  # for a decode batch (see DecodePath); layouts.py sets it
 
     @property
     def is_first(self) -> bool:
@@ -358,6 +376,10 @@ class StageModel(nn.Module):
         cos, sin = self.rope(layout.positions, x.dtype)
         if self.row_path is not None and layout.decode_slots is not None and x.shape[0] == 1:
             out = self.row_path(x, cos, sin, cache=cache, layout=layout, threads=self.step_threads.count)
+            if out is not None:
+                return out
+        if self.decode_path is not None and layout.decode_only and x.shape[0] > 1:
+            out = self.decode_path(x, cos, sin, cache=cache, layout=layout, logit_rows=logit_rows)
             if out is not None:
                 return out
         for layer in self.layers.values():

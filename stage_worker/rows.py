@@ -10,7 +10,7 @@ weights as a single row multiplies them (`RowWeight`: on several threads, blocks
 columns, so that each thread streams its own part of a weight; layouts.py says what it measured).
 The module path stays the reference: tests/test_model_core.py checks both give the same logits.
 A layer's rotary, KV writes and attention go through the compiled kernels where they serve
-(row_attention.py: two calls a layer), else through torch's operations below.
+(step_kernels.py: two calls a layer), else through torch's operations below.
 
 It serves a step when the layouts offer every layer's row weight, on one rank (the path has no
 collectives), for a token whose context is one run of cache slots (`StepLayout.decode_slots`);
@@ -31,7 +31,7 @@ from torch import nn
 from .fused import norm_kernel, silu_kernel
 from .kv_cache import PagedKVCache, StepLayout
 from .llama import DecoderLayer, StageModel, decode_attention, rms_norm
-from .row_attention import bind
+from .step_kernels import bind
 
 # How a single row multiplies a linear layer: (w, b) with y = (x @ w).view(1, -1) + b for x [1, in],
 # or, where w is oneDNN's packed weight (`w.is_mkldnn`), x W^T + b through oneDNN (see `row_product`).
@@ -195,7 +195,7 @@ class RowPath:
         model = self.model
         h, kvh = model.shards.num_heads, model.shards.num_kv_heads
         d, eps = model.config.head_dim, model.config.rms_norm_eps
-        # The compiled kernels' rotary, writes and attention where they serve (row_attention.py);
+        # The compiled kernels' rotary, writes and attention where they serve (step_kernels.py);
         # else torch's operations, with this position's rotary made once for every layer.
         kernels = bind(layout, cos, sin, pool=cache.k[plan.layers[0].layer_id], heads=h) if plan.layers else None
         rotate = rotary(cos[0], sin[0]) if kernels is None else None
@@ -206,7 +206,7 @@ class RowPath:
         for layer in plan.layers:
             qkv = row_product(row_norm(x, layer.input_norm, eps), layer.qkv)  # [1, (h + 2 kvh) d]
             if kernels is not None:
-                x = row_add_product(x, kernels(qkv, cache.k[layer.layer_id], cache.v[layer.layer_id]), layer.o)
+                x = row_add_product(x, kernels.attend(qkv, cache.k[layer.layer_id], cache.v[layer.layer_id]), layer.o)
             else:
                 assert rotate is not None
                 qkv = qkv.view(h + 2 * kvh, d)

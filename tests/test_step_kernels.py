@@ -1,6 +1,7 @@
-"""A lone decoding row's rotary, KV writes and attention through the compiled kernels
-(stage_worker/row_attention.py): the logits, the greedy tokens and the KV that torch's operations
-give on the row path, each layer through the kernels, and arguments that do not fit refused."""
+"""The compiled kernels bound to a decode step (stage_worker/step_kernels.py): a lone decoding
+row's rotary, KV writes and attention through them give the logits, the greedy tokens and the KV
+that torch's operations give on the row path, each layer through the kernels; arguments that do
+not fit what a step bound are refused."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from layerline.shared.model_config import LayerRange
-from layerline.stage_worker import row_attention, rows
+from layerline.stage_worker import rows, step_kernels
 from layerline.stage_worker.weights import load_stage
 
 from .pipeline import cache_for
@@ -29,13 +30,13 @@ def test_a_lone_row_through_the_kernels_gives_torchs_logits_tokens_and_kv(tmp_pa
     stage = load_stage(tmp_path, LayerRange(0, 4), dtype=dtype)
     stage.set_threads(2)
     calls = []
-    bound = row_attention.RowAttention.__call__
+    bound = step_kernels.StepKernels.attend
 
     def counted(self, qkv, k_pool, v_pool):
         calls.append(k_pool.data_ptr())
         return bound(self, qkv, k_pool, v_pool)
 
-    monkeypatch.setattr(row_attention.RowAttention, "__call__", counted)
+    monkeypatch.setattr(step_kernels.StepKernels, "attend", counted)
     caches = {way: cache_for(stage) for way in ("kernels", "torch")}
     new, seen = {way: list(PROMPT) for way in caches}, {way: [] for way in caches}
     for step in range(6):
@@ -44,7 +45,7 @@ def test_a_lone_row_through_the_kernels_gives_torchs_logits_tokens_and_kv(tmp_pa
             if way == "torch":
                 monkeypatch.setattr(rows, "bind", lambda *args, **kwargs: None)
             else:
-                monkeypatch.setattr(rows, "bind", row_attention.bind)
+                monkeypatch.setattr(rows, "bind", step_kernels.bind)
             cache.reserve("s", len(new[way]))
             layout = cache.plan_step(["s"], [len(new[way])])
             with torch.no_grad():
@@ -71,7 +72,7 @@ def test_a_lone_row_through_the_kernels_gives_torchs_logits_tokens_and_kv(tmp_pa
         torch.testing.assert_close(kernels.v[i], torchs.v[i], atol=tolerance, rtol=0)
 
 
-def test_a_bound_row_refuses_pools_and_rows_it_was_not_bound_for(tmp_path):
+def test_a_bound_step_refuses_pools_and_rows_it_was_not_bound_for(tmp_path):
     make_tiny_checkpoint("smollm2", tmp_path)
     stage = load_stage(tmp_path, LayerRange(0, 2))
     cache = cache_for(stage)
@@ -81,17 +82,19 @@ def test_a_bound_row_refuses_pools_and_rows_it_was_not_bound_for(tmp_path):
     layout = cache.plan_step(["s"], [1])
     cos, sin = stage.rope(layout.positions, torch.float32)
     h, kvh, d = stage.shards.num_heads, stage.shards.num_kv_heads, stage.config.head_dim
-    kernels = row_attention.bind(layout, cos, sin, pool=cache.k[0], heads=h)
+    kernels = step_kernels.bind(layout, cos, sin, pool=cache.k[0], heads=h)
     assert kernels is not None
     qkv = torch.randn(1, (h + 2 * kvh) * d)
-    assert kernels(qkv, cache.k[0], cache.v[0]).shape == (1, h * d)
-    with pytest.raises(ValueError, match="pools must be contiguous"):
-        kernels(qkv, cache.k[0][:-1], cache.v[0])
-    with pytest.raises(ValueError, match="pools must be contiguous"):
-        kernels(qkv, cache.k[0], cache.v[0].bfloat16())
+    assert kernels.attend(qkv, cache.k[0], cache.v[0]).shape == (1, h * d)
+    with pytest.raises(ValueError, match=r"the key pool must be a contiguous \[512, 2, 8\] torch.float32"):
+        kernels.attend(qkv, cache.k[0][:-1], cache.v[0])
+    with pytest.raises(ValueError, match=r"the value pool must be a contiguous .* not .* torch.bfloat16"):
+        kernels.attend(qkv, cache.k[0], cache.v[0].bfloat16())
     with pytest.raises(ValueError, match="qkv must be"):
-        kernels(qkv[:, :-1], cache.k[0], cache.v[0])
-    with pytest.raises(ValueError, match="cos and sin must be"):
-        row_attention.bind(layout, cos[..., :-2], sin[..., :-2], pool=cache.k[0], heads=h)
+        kernels.attend(qkv[:, :-1], cache.k[0], cache.v[0])
+    with pytest.raises(ValueError, match="the rows to normalize must be"):
+        kernels.norm(torch.randn(2, 8), torch.randn(8), 1e-5)
+    with pytest.raises(ValueError, match="cos must be"):
+        step_kernels.bind(layout, cos[..., :-2], sin[..., :-2], pool=cache.k[0], heads=h)
     # bfloat16 cos and sin for float32 pools: not the kernels' (one dtype for all), torch's way
-    assert row_attention.bind(layout, cos.bfloat16(), sin.bfloat16(), pool=cache.k[0], heads=h) is None
+    assert step_kernels.bind(layout, cos.bfloat16(), sin.bfloat16(), pool=cache.k[0], heads=h) is None
