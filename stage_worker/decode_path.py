@@ -85,7 +85,7 @@ class DecodePath:
         eps = model.config.rms_norm_eps
         pool = cache.k[layers[0].layer_id]
         kernels = bind(layout, cos, sin, pool=pool, heads=model.shards.num_heads, silu_width=model.shards.intermediate)
-        if kernels is None or x.dtype != kernels.dtype or layers[0].input_norm.dtype != x.dtype:
+        if kernels is None or not kernels.norms or x.dtype != kernels.dtype or layers[0].input_norm.dtype != x.dtype:
             return None  # the norms' weights are of one dtype (`plan`)
         for layer in layers:
             qkv = _product(kernels.norm(x, layer.input_norm, eps), layer.qkv)  # [D, (h + 2 kvh) d]

@@ -147,6 +147,7 @@ class _RowPlan:
     layers: tuple[_RowLayer, ...]
     head: RowWeight | None  # the LM head's row weight on the last stage
     norm: torch.Tensor | None  # the final norm's weight on the last stage
+    norm_dtype: torch.dtype | None  # of every layer's norm weights, where they share one
 
 
 class RowPath:
@@ -173,7 +174,9 @@ class RowPath:
         if any(layer is None for layer in layers) or (model.lm_head is not None and head is None):
             return None
         norm = model.norm.weight.detach() if model.norm is not None else None
-        return _RowPlan(tuple(layer for layer in layers if layer is not None), head, norm)
+        planned = tuple(layer for layer in layers if layer is not None)
+        dtypes = {w.dtype for layer in planned for w in (layer.input_norm, layer.post_attention_norm)}
+        return _RowPlan(planned, head, norm, dtypes.pop() if len(dtypes) == 1 else None)
 
     def __call__(
         self,
@@ -195,16 +198,21 @@ class RowPath:
         model = self.model
         h, kvh = model.shards.num_heads, model.shards.num_kv_heads
         d, eps = model.config.head_dim, model.config.rms_norm_eps
-        # The compiled kernels' rotary, writes and attention where they serve (step_kernels.py);
+        # The compiled kernels' rotary, writes and attention where they serve (step_kernels.py),
+        # and their RMSNorm and SiLU called without the wrappers' checks where those serve too;
         # else torch's operations, with this position's rotary made once for every layer.
-        kernels = bind(layout, cos, sin, pool=cache.k[plan.layers[0].layer_id], heads=h) if plan.layers else None
+        pool, width = (cache.k[plan.layers[0].layer_id], model.shards.intermediate) if plan.layers else (None, 0)
+        kernels = bind(layout, cos, sin, pool=pool, heads=h, silu_width=width) if pool is not None else None
         rotate = rotary(cos[0], sin[0]) if kernels is None else None
+        norm, silu_mul = row_norm, row_silu_mul
+        if kernels is not None and kernels.norms and x.dtype == plan.norm_dtype:
+            norm, silu_mul = kernels.norm, kernels.silu
         new = slots.stop - 1  # the new token's slot
         # Slices and views rather than split, chunk and transposes: each call after a product runs
         # cold, and these are most of a layer's calls (a step in bfloat16 20.4-20.6 against
         # 21.0-21.4 ms, float32 25.0 against 26.0; one process, two threads, Intel Xeon with AMX).
         for layer in plan.layers:
-            qkv = row_product(row_norm(x, layer.input_norm, eps), layer.qkv)  # [1, (h + 2 kvh) d]
+            qkv = row_product(norm(x, layer.input_norm, eps), layer.qkv)  # [1, (h + 2 kvh) d]
             if kernels is not None:
                 x = row_add_product(x, kernels.attend(qkv, cache.k[layer.layer_id], cache.v[layer.layer_id]), layer.o)
             else:
@@ -216,8 +224,8 @@ class RowPath:
                 keys = cache.k_heads[layer.layer_id][:, :, slots]  # [1, kvh, L, d], a view
                 values = cache.v_heads[layer.layer_id][:, :, slots]
                 x = row_add_product(x, decode_attention(qk[:h].view(1, h, d), keys, values, mask=None), layer.o)
-            gate_up = row_product(row_norm(x, layer.post_attention_norm, eps), layer.gate_up)
-            x = row_add_product(x, row_silu_mul(gate_up), layer.down)
+            gate_up = row_product(norm(x, layer.post_attention_norm, eps), layer.gate_up)
+            x = row_add_product(x, silu_mul(gate_up), layer.down)
         if plan.head is None:
             return x
         assert plan.norm is not None  # the last stage holds both

@@ -80,6 +80,8 @@ class StepKernels:
         heads: int,
         kv_heads: int,
         head_dim: int,
+        width: int,
+        norms: bool,
     ) -> None:
         rows, d, dtype = batch.tables.shape[0], head_dim, cos.dtype
         if dtype not in native.POOL_DTYPES or rows < 1 or slots.slots.shape != (rows,):
@@ -91,6 +93,8 @@ class StepKernels:
         self._fn = _functions(kernel.path)
         self._cos, self._sin, self._batch, self._slots = cos, sin, batch, slots  # held: the C reads their memory
         self.rows, self.dtype = rows, dtype
+        self._width = width  # of the SiLU's halves
+        self.norms = norms  # whether `norm` and `silu` serve: their kernels give torch's numbers
         self._bf16 = dtype == torch.bfloat16
         self._heads, self._kv_heads, self._d = heads, kv_heads, d
         self._pool = (batch.slots, kv_heads, d)
@@ -121,7 +125,9 @@ class StepKernels:
         return out
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """RMSNorm of the rows x [rows, n] by weight [n] (bound with norms only)."""
+        """RMSNorm of the rows x [rows, n] by weight [n] (where `norms`)."""
+        if not self.norms:
+            raise ValueError("RMSNorm was not bound: its kernel does not give torch's numbers here")
         n = weight.shape[0]
         _check(x, (self.rows, n), self.dtype, "the rows to normalize")
         _check(weight, (n,), self.dtype, "the norm's weight")
@@ -131,8 +137,10 @@ class StepKernels:
         return out
 
     def silu(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """SiLU(gate) * up of the rows gate_up [rows, 2 w] (bound with norms only, for this w)."""
+        """SiLU(gate) * up of the rows gate_up [rows, 2 w] (where `norms`, for the w bound)."""
         width = gate_up.shape[-1] // 2
+        if not self.norms or width != self._width:
+            raise ValueError(f"SiLU of halves {width} wide was not bound (its kernel's numbers are not torch's)")
         _check(gate_up, (self.rows, 2 * width), self.dtype, "gate_up")
         out = torch.empty(self.rows, width, dtype=self.dtype)
         self._fn["silu_mul"](gate_up.data_ptr(), self._bf16, self.rows, width, self._threads, out.data_ptr())
@@ -146,17 +154,16 @@ def bind(
     *,
     pool: torch.Tensor,
     heads: int,
-    silu_width: int | None = None,
+    silu_width: int,
 ) -> StepKernels | None:
     """The kernels bound to `layout`, a step of decoding sequences only, whose layers' pools are
     like `pool`; None where they do not serve (none compiled, its rotary not torch's numbers,
-    pools it does not read, another dtype) and the caller keeps torch's way. With `silu_width`,
-    also RMSNorm and the SiLU of halves that wide, torch's numbers to the bit, or None."""
+    pools it does not read, another dtype) and the caller keeps torch's way. RMSNorm and the SiLU
+    of halves `silu_width` wide are bound too (`norms`) where their kernels give torch's numbers."""
     kernel = compiled_kernel()
     if kernel is None or rotary_kernel() is None or not reads_pools(pool) or cos.dtype != pool.dtype:
         return None
-    if silu_width is not None and (norm_kernel() is None or silu_kernel(silu_width) is None):
-        return None
+    norms = norm_kernel() is not None and silu_kernel(silu_width) is not None
     batch = layout.memo.get("decode_batch")  # as paged_attention.py keeps it: once a step
     if not isinstance(batch, native.DecodeBatch):
         blocks, lens = layout.decode_blocks, layout.decode_lens
@@ -164,4 +171,5 @@ def bind(
         layout.memo["decode_batch"] = batch
     slots = native.write_slots(layout.write_slots, pool_slots=pool.shape[0])
     _, kv_heads, head_dim = pool.shape
-    return StepKernels(kernel, cos, sin, batch=batch, slots=slots, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+    shape = {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "width": silu_width}
+    return StepKernels(kernel, cos, sin, batch=batch, slots=slots, **shape, norms=norms)

@@ -12,6 +12,7 @@ import torch
 
 from layerline.shared.model_config import LayerRange
 from layerline.stage_worker import rows, step_kernels
+from layerline.stage_worker.fused import torch_rms_norm
 from layerline.stage_worker.weights import load_stage
 
 from .pipeline import cache_for
@@ -24,19 +25,25 @@ pytestmark = [
 ]
 
 
+@pytest.mark.parametrize("width", [104, 128])  # SiLU's halves: not taken by its kernel, taken (norms bound)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_lone_row_through_the_kernels_gives_torchs_logits_tokens_and_kv(tmp_path, monkeypatch, dtype):
-    make_tiny_checkpoint("smollm2", tmp_path)
+def test_a_lone_row_through_the_kernels_gives_torchs_logits_tokens_and_kv(tmp_path, monkeypatch, dtype, width):
+    make_tiny_checkpoint("smollm2", tmp_path, intermediate_size=width)
     stage = load_stage(tmp_path, LayerRange(0, 4), dtype=dtype)
     stage.set_threads(2)
-    calls = []
-    bound = step_kernels.StepKernels.attend
+    calls, norms = [], []
+    attend, norm = step_kernels.StepKernels.attend, step_kernels.StepKernels.norm
 
     def counted(self, qkv, k_pool, v_pool):
         calls.append(k_pool.data_ptr())
-        return bound(self, qkv, k_pool, v_pool)
+        return attend(self, qkv, k_pool, v_pool)
+
+    def counted_norm(self, x, weight, eps):
+        norms.append(weight.data_ptr())
+        return norm(self, x, weight, eps)
 
     monkeypatch.setattr(step_kernels.StepKernels, "attend", counted)
+    monkeypatch.setattr(step_kernels.StepKernels, "norm", counted_norm)
     caches = {way: cache_for(stage) for way in ("kernels", "torch")}
     new, seen = {way: list(PROMPT) for way in caches}, {way: [] for way in caches}
     for step in range(6):
@@ -61,6 +68,7 @@ def test_a_lone_row_through_the_kernels_gives_torchs_logits_tokens_and_kv(tmp_pa
     layers = stage.layer_range
     assert len(calls) == 5 * len(layers)  # every layer of every decoding step through the kernels
     assert calls[: len(layers)] == [caches["kernels"].k[i].data_ptr() for i in layers]
+    assert len(norms) == (5 * 2 * len(layers) if width == 128 else 0)  # two a layer, where bound
     first, kernels, torchs = layers.start, caches["kernels"], caches["torch"]
     # Layer 0's values to the bit, its keys as torch rotates them (the row path's float32 rotary is
     # one product, equal to rounding); later layers' inputs carry the attention's other order.
@@ -73,7 +81,7 @@ def test_a_lone_row_through_the_kernels_gives_torchs_logits_tokens_and_kv(tmp_pa
 
 
 def test_a_bound_step_refuses_pools_and_rows_it_was_not_bound_for(tmp_path):
-    make_tiny_checkpoint("smollm2", tmp_path)
+    make_tiny_checkpoint("smollm2", tmp_path, intermediate_size=128)
     stage = load_stage(tmp_path, LayerRange(0, 2))
     cache = cache_for(stage)
     cache.reserve("s", 3)
@@ -82,7 +90,7 @@ def test_a_bound_step_refuses_pools_and_rows_it_was_not_bound_for(tmp_path):
     layout = cache.plan_step(["s"], [1])
     cos, sin = stage.rope(layout.positions, torch.float32)
     h, kvh, d = stage.shards.num_heads, stage.shards.num_kv_heads, stage.config.head_dim
-    kernels = step_kernels.bind(layout, cos, sin, pool=cache.k[0], heads=h)
+    kernels = step_kernels.bind(layout, cos, sin, pool=cache.k[0], heads=h, silu_width=128)
     assert kernels is not None
     qkv = torch.randn(1, (h + 2 * kvh) * d)
     assert kernels.attend(qkv, cache.k[0], cache.v[0]).shape == (1, h * d)
@@ -92,9 +100,19 @@ def test_a_bound_step_refuses_pools_and_rows_it_was_not_bound_for(tmp_path):
         kernels.attend(qkv, cache.k[0], cache.v[0].bfloat16())
     with pytest.raises(ValueError, match="qkv must be"):
         kernels.attend(qkv[:, :-1], cache.k[0], cache.v[0])
+    assert kernels.norms  # halves of 128: SiLU's kernel takes them
+    x = torch.randn(1, stage.config.hidden_size)
+    assert torch.equal(kernels.norm(x, torch.ones(x.shape[1]), 1e-5), torch_rms_norm(x, torch.ones(x.shape[1]), 1e-5))
     with pytest.raises(ValueError, match="the rows to normalize must be"):
         kernels.norm(torch.randn(2, 8), torch.randn(8), 1e-5)
+    with pytest.raises(ValueError, match="SiLU of halves 104 wide was not bound"):
+        kernels.silu(torch.randn(1, 208))
+    # halves of 104: SiLU's kernel does not take them, so neither RMSNorm nor SiLU is bound
+    unbound = step_kernels.bind(layout, cos, sin, pool=cache.k[0], heads=h, silu_width=104)
+    assert unbound is not None and not unbound.norms
+    with pytest.raises(ValueError, match="RMSNorm was not bound"):
+        unbound.norm(x, torch.ones(x.shape[1]), 1e-5)
     with pytest.raises(ValueError, match="cos must be"):
-        step_kernels.bind(layout, cos[..., :-2], sin[..., :-2], pool=cache.k[0], heads=h)
+        step_kernels.bind(layout, cos[..., :-2], sin[..., :-2], pool=cache.k[0], heads=h, silu_width=128)
     # bfloat16 cos and sin for float32 pools: not the kernels' (one dtype for all), torch's way
-    assert step_kernels.bind(layout, cos.bfloat16(), sin.bfloat16(), pool=cache.k[0], heads=h) is None
+    assert step_kernels.bind(layout, cos.bfloat16(), sin.bfloat16(), pool=cache.k[0], heads=h, silu_width=128) is None
