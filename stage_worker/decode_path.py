@@ -49,22 +49,13 @@ class _Layer:
 
 
 class DecodePath:
-    """`StageModel.decode_path`: a decode batch's step through plain tensors, its plan made once."""
+    """`StageModel.decode_path`: a decode batch's step through plain tensors. `layers` is its plan,
+    made once: every layer's norms and packed weights, or None (the path never serves) unless all
+    are packed, their norms share a dtype and there is one rank."""
 
     def __init__(self, model: StageModel) -> None:
         self.model = model
-        self._layers: tuple[_Layer, ...] | None = None
-        self._planned = False
-
-    def plan(self) -> tuple[_Layer, ...] | None:
-        """Every layer's norms and packed weights; None unless all are packed and there is one rank."""
-        if not self._planned:
-            layers = [_layer(layer) for layer in self.model.layers.values()] if self.model.tp.size == 1 else [None]
-            planned = tuple(filter(None, layers))
-            dtypes = {t.dtype for layer in planned for t in (layer.input_norm, layer.post_attention_norm)}
-            self._layers = planned if len(planned) == len(layers) and len(dtypes) == 1 else None
-            self._planned = True
-        return self._layers
+        self.layers = _plan(model)
 
     def __call__(
         self,
@@ -78,7 +69,7 @@ class DecodePath:
     ) -> torch.Tensor | None:
         """The layers (and head) for a decode batch, x [D, hidden], cos and sin [D, 1, head_dim]:
         what `StageModel.forward` returns, or None where this path does not serve."""
-        layers = self.plan()
+        layers = self.layers
         if not layers or not layout.decode_only or layout.decode_slots is not None or x.shape[0] < 2:
             return None
         model, x = self.model, x.contiguous()
@@ -86,7 +77,7 @@ class DecodePath:
         pool = cache.k[layers[0].layer_id]
         kernels = bind(layout, cos, sin, pool=pool, heads=model.shards.num_heads, silu_width=model.shards.intermediate)
         if kernels is None or not kernels.norms or x.dtype != kernels.dtype or layers[0].input_norm.dtype != x.dtype:
-            return None  # the norms' weights are of one dtype (`plan`)
+            return None  # every layer's norm weights share one dtype (`_plan`)
         for layer in layers:
             qkv = _product(kernels.norm(x, layer.input_norm, eps), layer.qkv)  # [D, (h + 2 kvh) d]
             x = x + _product(kernels.attend(qkv, cache.k[layer.layer_id], cache.v[layer.layer_id]), layer.o)
@@ -99,6 +90,15 @@ class DecodePath:
             x = x[logit_rows]
         logits = model.lm_head(model.norm(x))  # [R, vocab padded]
         return logits[:, : model.config.vocab_size].float()
+
+
+def _plan(model: StageModel) -> tuple[_Layer, ...] | None:
+    if model.tp.size != 1:
+        return None
+    layers = [_layer(layer) for layer in model.layers.values()]
+    planned = tuple(layer for layer in layers if layer is not None)
+    dtypes = {t.dtype for layer in planned for t in (layer.input_norm, layer.post_attention_norm)}
+    return planned if len(planned) == len(layers) and len(dtypes) == 1 else None
 
 
 def _layer(layer: nn.Module) -> _Layer | None:

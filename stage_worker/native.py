@@ -37,6 +37,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -54,6 +55,14 @@ POOL_DTYPES = (torch.float32, torch.bfloat16)  # the pools the kernel reads
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
+_INT, _FLOAT = ctypes.c_int, ctypes.c_float
+# kernels/paged_attention.c's functions (each `layerline_` and the name): argument and result types
+SIGNATURES: dict[str, tuple[list[Any], Any]] = {
+    "paged_attention": ([_P, _INT, _P, _P, _INT, _P, _P, _I, _I, _I, _I, _I, _I, _FLOAT, _INT, _P], _INT),
+    "rotate_and_store": ([_P, _P, _P, _P, _INT, _I, _I, _I, _I, _INT, _P, _P, _P], None),
+    "rms_norm": ([_P, _P, _INT, _I, _I, _FLOAT, _INT, _P], None),
+    "silu_mul": ([_P, _INT, _I, _I, _INT, _P], None),
+}
 
 
 class KernelUnavailable(Exception):
@@ -114,19 +123,15 @@ class PagedAttentionKernel:
     def __init__(self, path: Path) -> None:
         self.path = path
         library = ctypes.CDLL(str(path))
-        self._fn = library.layerline_paged_attention
-        self._fn.argtypes = [_P, ctypes.c_int, _P, _P, ctypes.c_int, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float]
-        self._fn.argtypes += [ctypes.c_int, _P]
-        self._fn.restype = ctypes.c_int
-        self._store = library.layerline_rotate_and_store
-        self._store.argtypes = [_P, _P, _P, _P, ctypes.c_int, _I, _I, _I, _I, ctypes.c_int, _P, _P, _P]
-        self._store.restype = None
-        self._norm = library.layerline_rms_norm
-        self._norm.argtypes = [_P, _P, ctypes.c_int, _I, _I, ctypes.c_float, ctypes.c_int, _P]
-        self._norm.restype = None
-        self._silu = library.layerline_silu_mul
-        self._silu.argtypes = [_P, ctypes.c_int, _I, _I, ctypes.c_int, _P]
-        self._silu.restype = None
+        # The C functions by name, unchecked: the methods below check their arguments at every
+        # call; step_kernels.py checks a step's once and calls these directly.
+        self.unchecked: dict[str, Any] = {}
+        for name, (argtypes, restype) in SIGNATURES.items():
+            function = getattr(library, f"layerline_{name}")
+            function.argtypes, function.restype = argtypes, restype
+            self.unchecked[name] = function
+        self._fn, self._store = self.unchecked["paged_attention"], self.unchecked["rotate_and_store"]
+        self._norm, self._silu = self.unchecked["rms_norm"], self.unchecked["silu_mul"]
 
     @staticmethod
     def takes_silu(gate_up: torch.Tensor) -> bool:

@@ -110,13 +110,27 @@ def paged_decode_attention(
         if k_pool.dtype != torch.float32:
             raise ValueError(f"{k_pool.dtype} pools need the compiled kernel, and there is none")
         return bagged_decode_attention(q, k_pool, v_pool, layout=layout)
+    return kernel(q, k_pool, v_pool, step_decode_batch(layout, slots=k_pool.shape[0]))
+
+
+def step_decode_batch(layout: StepLayout, *, slots: int) -> native.DecodeBatch:
+    """`layout`'s block tables and lengths as the kernel reads them, checked against pools of
+    `slots` rows once a step (kept in `layout.memo` for every layer)."""
     batch = layout.memo.get("decode_batch")
     if not isinstance(batch, native.DecodeBatch):
-        batch = native.decode_batch(
-            layout.decode_blocks, layout.decode_lens, block=layout.block_size, slots=k_pool.shape[0]
-        )
+        batch = native.decode_batch(layout.decode_blocks, layout.decode_lens, block=layout.block_size, slots=slots)
         layout.memo["decode_batch"] = batch
-    return kernel(q, k_pool, v_pool, batch)
+    return batch
+
+
+def step_write_slots(layout: StepLayout, *, pool_slots: int) -> native.WriteSlots:
+    """`layout`'s write slots as the kernel writes them, checked against pools of `pool_slots`
+    rows once a step (kept in `layout.memo` for every layer)."""
+    slots = layout.memo.get("write_slots")
+    if not isinstance(slots, native.WriteSlots):
+        slots = native.write_slots(layout.write_slots, pool_slots=pool_slots)
+        layout.memo["write_slots"] = slots
+    return slots
 
 
 @functools.cache
@@ -169,10 +183,7 @@ def rotated_and_stored(
     kernel = rotary_kernel()
     if kernel is None or not reads_pools(k_pool) or qkv.dtype != k_pool.dtype:
         return None
-    slots = layout.memo.get("write_slots")
-    if not isinstance(slots, native.WriteSlots):
-        slots = native.write_slots(layout.write_slots, pool_slots=k_pool.shape[0])
-        layout.memo["write_slots"] = slots
+    slots = step_write_slots(layout, pool_slots=k_pool.shape[0])
     return kernel.rotate_and_store(qkv, cos, sin, k_pool, v_pool, slots, heads=heads)
 
 

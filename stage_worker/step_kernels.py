@@ -9,7 +9,7 @@ good part of a small step. `StepKernels` makes the checks that hold for a whole 
 the step binds (`bind`: the rows, the cos and sin, each sequence's block table, length and write
 slot against the pools' size, the widths), and a layer's call checks only what it is handed: that
 each tensor has the shape, dtype and layout bound (a comparison or two; a mismatch is a
-ValueError, never a call). Its own function objects of the one loaded library (`_functions`).
+ValueError, never a call), then calls the C functions unchecked (`PagedAttentionKernel.unchecked`).
 
 The numbers are the kernels' as the modules call them: the rotary, the writes, RMSNorm and SiLU
 are torch's to the bit where they serve (`rotary_kernel`, `norm_kernel`, `silu_kernel` check that
@@ -25,39 +25,12 @@ models, weights, the engine or the network.
 
 from __future__ import annotations
 
-import ctypes
-import functools
-from pathlib import Path
-from typing import Any
-
 import torch
 
 from . import native
 from .fused import norm_kernel, silu_kernel
 from .kv_cache import StepLayout
-from .paged_attention import compiled_kernel, reads_pools, rotary_kernel
-
-_P = ctypes.c_void_p
-_I = ctypes.c_int64
-_INT, _FLOAT = ctypes.c_int, ctypes.c_float
-
-
-@functools.cache
-def _functions(path: Path) -> dict[str, Any]:
-    """The library's functions with their C signatures (kernels/paged_attention.c)."""
-    library = ctypes.CDLL(str(path))  # the library native.py loaded: the same handle, its own function objects
-    signatures: dict[str, tuple[list[Any], Any]] = {
-        "layerline_rotate_and_store": ([_P, _P, _P, _P, _INT, _I, _I, _I, _I, _INT, _P, _P, _P], None),
-        "layerline_paged_attention": ([_P, _INT, _P, _P, _INT, _P, _P, _I, _I, _I, _I, _I, _I, _FLOAT, _INT, _P], _INT),
-        "layerline_rms_norm": ([_P, _P, _INT, _I, _I, _FLOAT, _INT, _P], None),
-        "layerline_silu_mul": ([_P, _INT, _I, _I, _INT, _P], None),
-    }
-    functions = {}
-    for name, (argtypes, restype) in signatures.items():
-        function = getattr(library, name)
-        function.argtypes, function.restype = argtypes, restype
-        functions[name.removeprefix("layerline_")] = function
-    return functions
+from .paged_attention import compiled_kernel, reads_pools, rotary_kernel, step_decode_batch, step_write_slots
 
 
 def _check(t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, what: str) -> None:
@@ -90,7 +63,7 @@ class StepKernels:
             _check(t, (rows, 1, d), dtype, what)
         if heads % kv_heads or d % 2 or slots.pool_slots != batch.slots:
             raise ValueError(f"{heads} heads over {kv_heads} kv heads of {d}, or slots checked for other pools")
-        self._fn = _functions(kernel.path)
+        self._fn = kernel.unchecked
         self._cos, self._sin, self._batch, self._slots = cos, sin, batch, slots  # held: the C reads their memory
         self.rows, self.dtype = rows, dtype
         self._width = width  # of the SiLU's halves
@@ -164,12 +137,18 @@ def bind(
     if kernel is None or rotary_kernel() is None or not reads_pools(pool) or cos.dtype != pool.dtype:
         return None
     norms = norm_kernel() is not None and silu_kernel(silu_width) is not None
-    batch = layout.memo.get("decode_batch")  # as paged_attention.py keeps it: once a step
-    if not isinstance(batch, native.DecodeBatch):
-        blocks, lens = layout.decode_blocks, layout.decode_lens
-        batch = native.decode_batch(blocks, lens, block=layout.block_size, slots=pool.shape[0])
-        layout.memo["decode_batch"] = batch
-    slots = native.write_slots(layout.write_slots, pool_slots=pool.shape[0])
+    batch = step_decode_batch(layout, slots=pool.shape[0])
+    slots = step_write_slots(layout, pool_slots=pool.shape[0])
     _, kv_heads, head_dim = pool.shape
-    shape = {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "width": silu_width}
-    return StepKernels(kernel, cos, sin, batch=batch, slots=slots, **shape, norms=norms)
+    return StepKernels(
+        kernel,
+        cos,
+        sin,
+        batch=batch,
+        slots=slots,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        width=silu_width,
+        norms=norms,
+    )
