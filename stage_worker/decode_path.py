@@ -5,10 +5,11 @@ layer is a dozen module calls and the kernel wrappers' checks, about 100 us of P
 between the products (a 32-row step of SmolLM2's 30 layers, bfloat16, one process, 2 cores of an
 Intel Xeon with AMX: 29 ms in the layers, of them 16 in the products and 9 in the kernels).
 `DecodePath` runs the same math on the same tensors: oneDNN's packed weights of each layer
-(layouts.PackedLinear's `weight_packed`) multiplied directly, and the compiled kernels bound once a step
-(step_kernels.py): the same calls in the same order as the modules make, so the same numbers to
-the bit (tests/test_decode_path.py checks that). Measured there, interleaved, the whole step: 32
-rows bfloat16 34.6 -> 31.3 ms, float32 73.4 -> 69.3 ms, the same tokens.
+(layouts.PackedLinear's `weight_packed`) multiplied directly, and the compiled kernels bound once
+a step (step_kernels.py): the same calls in the same order as the modules make, so the same
+numbers to the bit (tests/test_decode_path.py checks that). Measured there, 10 interleaved rounds
+of 3 steps, the whole step: 32 rows bfloat16 33.1 -> 29.8 ms, float32 72.1 -> 67.7 ms; 8 rows
+23.1 -> 19.9 and 41.3 -> 37.5 ms; the same tokens.
 
 It serves a step of two or more decoding rows (`StepLayout.decode_only`; a lone row is rows.py's)
 on one rank (no collectives), where every linear layer of the stage is packed and the kernels

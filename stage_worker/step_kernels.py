@@ -15,12 +15,13 @@ The numbers are the kernels' as the modules call them: the rotary, the writes, R
 are torch's to the bit where they serve (`rotary_kernel`, `norm_kernel`, `silu_kernel` check that
 first), the attention the decode batch's (`compiled_kernel` checks it against torch's).
 
-Used by rows.py (a lone row: its attention; SmolLM2's lone step, one process, 2 cores of an Intel
-Xeon with AVX-512 and AMX, 12 interleaved rounds of 4 steps: float32 26.9 -> 25.4 ms, bfloat16
-20.9 -> 18.8 ms against torch's rotary, writes and SDPA) and decode_path.py (a decode batch).
+Used by rows.py (a lone row: its attention, and its norms and SiLU where bound; SmolLM2's lone
+step, one process, 2 cores of an Intel Xeon with AVX-512 and AMX, 12 interleaved rounds of 4
+steps: float32 26.9 -> 25.4 ms, bfloat16 20.9 -> 18.8 ms against torch's rotary, writes and SDPA)
+and decode_path.py (a decode batch).
 
-Knows the kernels' C signatures and the pools' layout ([slots, kv heads, head_dim]); nothing of
-models, weights, the engine or the network.
+Knows the kernels' arguments (native.py declares their C types) and the pools' layout ([slots,
+kv heads, head_dim]); nothing of models, weights, the engine or the network.
 """
 
 from __future__ import annotations
