@@ -201,8 +201,8 @@ class RowPath:
         # The compiled kernels' rotary, writes and attention where they serve (step_kernels.py),
         # and their RMSNorm and SiLU called without the wrappers' checks where those serve too;
         # else torch's operations, with this position's rotary made once for every layer.
-        pool, width = (cache.k[plan.layers[0].layer_id], model.shards.intermediate) if plan.layers else (None, 0)
-        kernels = bind(layout, cos, sin, pool=pool, heads=h, silu_width=width) if pool is not None else None
+        pool = cache.k[plan.layers[0].layer_id]  # a stage holds a layer or more (LayerRange.check)
+        kernels = bind(layout, cos, sin, pool=pool, heads=h, silu_width=model.shards.intermediate)
         rotate = rotary(cos[0], sin[0]) if kernels is None else None
         norm, silu_mul = row_norm, row_silu_mul
         if kernels is not None and kernels.norms and x.dtype == plan.norm_dtype:
