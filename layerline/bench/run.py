@@ -17,7 +17,10 @@ for a hop before any of layerline's own work; and the same relays at 32 rows a s
 against 1: the floor under 32 streams on 2 stages against 1. The clusters, and how a stream
 and many are measured, are clusters.py's. Beside transformers' batch of 32, in the same
 rounds, `BatchFloor` times the model's matrix products alone at 32 rows (batch_floor.py): the
-floor under the 32-stream figures. transformers is needed here only, as the baseline (baseline.py).
+floor under the 32-stream figures. Beside the single streams, `BandwidthFloor` times this
+process reading memory (bandwidth_floor.py): a lone token reads every weight once, so the
+weights' bytes over that speed is the floor under the single-stream figure. transformers is
+needed here only, as the baseline (baseline.py).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from layerline.bench.bandwidth_floor import BandwidthFloor
 from layerline.bench.baseline import Baseline
 from layerline.bench.batch_floor import BatchFloor
 from layerline.bench.client_cpu import ClientCpu, http_floor
@@ -87,6 +91,7 @@ class BenchResult:
     weights_bytes_per_rank: dict[str, int] = field(default_factory=dict)  # largest rank of each cluster
     hop_floor: dict[str, object] = field(default_factory=dict)  # the bare relay's figures (HopFloor), a lone row
     split_floor_32: dict[str, object] = field(default_factory=dict)  # the same relays at 32 rows a step
+    bandwidth_floor: dict[str, float] = field(default_factory=dict)  # medians; bandwidth_floor.py
     client_cpu_ms_per_token: dict[str, float] = field(default_factory=dict)  # medians; client_cpu.py
     ratios: dict[str, float] = field(default_factory=dict)  # of the medians
     paired_ratios: dict[str, list[float]] = field(default_factory=dict)  # PAIRS' ratios within each round
@@ -125,6 +130,18 @@ def _relay_ratios(result: BenchResult, floor: HopFloor) -> dict[str, float]:
     return {
         "single_stream_1_stage_vs_bare_relay": relay / single["1_stage"].median_gap_ms,
         "single_stream_bare_relay_vs_transformers": single["transformers"].median_gap_ms / relay,
+    }
+
+
+def _bandwidth_floor(config: ModelConfig, dtype: str, rounds: int) -> dict[str, float]:
+    """A lone stream's rate at this process's read bandwidth, once a round (medians)."""
+    _log("memory bandwidth (the floor under a single stream) ...")
+    floor = BandwidthFloor(config, dtype)
+    tokens = statistics.median(_rounds(rounds, {"bandwidth_floor": floor.tokens_per_s})["bandwidth_floor"])
+    return {
+        "weights_bytes_per_token": floor.weight_bytes,
+        "read_gb_per_s": tokens * floor.weight_bytes / 1e9,
+        "tokens_per_s": tokens,
     }
 
 
@@ -183,6 +200,7 @@ def run_bench(
             },
         )
         result.single_stream = {k: _median_stream(v) for k, v in singles.items()}
+        result.bandwidth_floor = _bandwidth_floor(config, dtype, rounds)
         _log("long prompts ...")
         longs = _rounds(
             rounds,
@@ -278,6 +296,10 @@ def _judge(
         "matmul_floor_32_vs_transformers_batch_32": a["matmul_floor_x32"] / a["transformers_batch_32"],
         "concurrent_32_1_stage_vs_matmul_floor": a["1_stage_x32"] / a["matmul_floor_x32"],
         **_relay_ratios(result, floor),
+        # The floor under the first ratio in every dtype: a token's weights read once at this
+        # process's read bandwidth (bandwidth_floor.py), against transformers and against ours.
+        "single_stream_bandwidth_floor_vs_transformers": result.bandwidth_floor["tokens_per_s"] / s["transformers"],
+        "single_stream_1_stage_vs_bandwidth_floor": s["1_stage"] / result.bandwidth_floor["tokens_per_s"],
         # The median gap between tokens, 2 stages minus 1: one more hop, the same layers.
         "added_ms_per_extra_hop_per_token": (
             result.single_stream["2_stages"].median_gap_ms - result.single_stream["1_stage"].median_gap_ms
