@@ -61,14 +61,38 @@ CHECKED_SHAPES = ((1, 576), (5, 100), (33, 64), (3, 8), (2, 4104), (120, 576))
 
 def _norm_is_torchs(kernel: native.PagedAttentionKernel, dtype: torch.dtype) -> bool:
     """Whether the kernel's RMSNorm equals `torch_rms_norm` on random rows of a wide range of
-    magnitudes (where a fused multiply-add or another order of the sum shows in the last bit)."""
+    magnitudes (where a fused multiply-add or another order of the sum shows in the last bit), and
+    its RMSNorm after a residual's sum (`add_rms_norm`) equals torch's `x + y` and that norm."""
     generator = torch.Generator().manual_seed(0)
     for rows, n in CHECKED_SHAPES:
-        x = torch.randn(rows, n, generator=generator) * torch.randn(rows, n, generator=generator).mul(2).exp()
+        x, y = (
+            (torch.randn(rows, n, generator=generator) * torch.randn(rows, n, generator=generator).mul(2).exp()).to(
+                dtype
+            )
+            for _ in range(2)
+        )
         weight = torch.randn(n, generator=generator).to(dtype)
-        if not torch.equal(kernel.rms_norm(x.to(dtype), weight, 1e-5), torch_rms_norm(x.to(dtype), weight, 1e-5)):
+        if not torch.equal(kernel.rms_norm(x, weight, 1e-5), torch_rms_norm(x, weight, 1e-5)):
+            return False
+        total, normed = add_rms_norm(kernel, x, y, weight, 1e-5)
+        if not (torch.equal(total, x + y) and torch.equal(normed, torch_rms_norm(x + y, weight, 1e-5))):
             return False
     return True
+
+
+def add_rms_norm(
+    kernel: native.PagedAttentionKernel, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x + y and its RMSNorm by weight through the kernel's `add_rms_norm`, for rows x and y [rows,
+    n >= 8] and weight [n], contiguous CPU tensors of one dtype (float32 or bfloat16), as the
+    caller checked: the C trusts them."""
+    total, normed = torch.empty_like(x), torch.empty_like(x)
+    rows, n = x.shape
+    bf16 = x.dtype == torch.bfloat16
+    ptrs = (x.data_ptr(), y.data_ptr(), weight.data_ptr())
+    threads = torch.get_num_threads()
+    kernel.unchecked["add_rms_norm"](*ptrs, bf16, rows, n, eps, threads, total.data_ptr(), normed.data_ptr())
+    return total, normed
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

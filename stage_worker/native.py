@@ -61,6 +61,7 @@ SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "paged_attention": ([_P, _INT, _P, _P, _INT, _P, _P, _I, _I, _I, _I, _I, _I, _FLOAT, _INT, _P], _INT),
     "rotate_and_store": ([_P, _P, _P, _P, _INT, _I, _I, _I, _I, _INT, _P, _P, _P], None),
     "rms_norm": ([_P, _P, _INT, _I, _I, _FLOAT, _INT, _P], None),
+    "add_rms_norm": ([_P, _P, _P, _INT, _I, _I, _FLOAT, _INT, _P, _P], None),
     "silu_mul": ([_P, _INT, _I, _I, _INT, _P], None),
 }
 

@@ -1,7 +1,8 @@
 """The compiled kernels (native.py) bound to one decode step: their arguments checked once a step.
 
 A decode step runs its layers one after the other, and each layer calls the kernels of
-kernels/paged_attention.c: RMSNorm twice, the rotary with the new keys and values written to the
+kernels/paged_attention.c: RMSNorm twice (in a batch, each with the residual's sum before it:
+`add_norm`), the rotary with the new keys and values written to the
 pools (`layerline_rotate_and_store`), the attention off the pools (`layerline_paged_attention`)
 and the MLP's SiLU. Their Python wrappers in native.py check every shape, dtype and index on each
 call, since the C trusts what it is given, and with the modules around them that Python is a
@@ -41,7 +42,7 @@ def _check(t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, what: st
 
 class StepKernels:
     """The kernels for the `rows` rows of one decode step (one token of each of `rows` sequences):
-    `attend`, and where bound with norms, `norm` and `silu`."""
+    `attend`, and where bound with norms, `norm`, `add_norm` and `silu`."""
 
     def __init__(
         self,
@@ -109,6 +110,22 @@ class StepKernels:
         rows, threads = self.rows, self._threads
         self._fn["rms_norm"](x.data_ptr(), weight.data_ptr(), self._bf16, rows, n, eps, threads, out.data_ptr())
         return out
+
+    def add_norm(
+        self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual's sum x + y of the rows x, y [rows, n] and its RMSNorm by weight [n], in
+        one call (where `norms`): torch's `x + y` and `norm` of it, to the bit."""
+        if not self.norms:
+            raise ValueError("RMSNorm was not bound: its kernel does not give torch's numbers here")
+        n = weight.shape[0]
+        _check(x, (self.rows, n), self.dtype, "the residual")
+        _check(y, (self.rows, n), self.dtype, "the rows added to the residual")
+        _check(weight, (n,), self.dtype, "the norm's weight")
+        total, out = torch.empty_like(x), torch.empty_like(x)
+        ptrs = (x.data_ptr(), y.data_ptr(), weight.data_ptr())
+        self._fn["add_rms_norm"](*ptrs, self._bf16, self.rows, n, eps, self._threads, total.data_ptr(), out.data_ptr())
+        return total, out
 
     def silu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """SiLU(gate) * up of the rows gate_up [rows, 2 w] (where `norms`, for the w bound)."""

@@ -80,6 +80,34 @@ def test_rms_norm_is_torchs_numbers(kernel, dtype, shape):
 
 
 @needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 576), (32, 576), (7, 8), (9, 15), (3, 1536), (14, 576), (200, 576)], ids=str)
+def test_a_residuals_sum_and_its_norm_in_one_call_are_torchs_numbers(kernel, dtype, shape):
+    """`add_rms_norm`: x + y rounded once to the dtype, and RMSNorm of that, torch.equal to torch's
+    `x + y` and `torch_rms_norm` of it; rows on one thread and past the parallel loop's 8192."""
+    x, y = spread(*shape, seed=sum(shape)).to(dtype), spread(*shape, seed=7).to(dtype)
+    weight = spread(shape[-1], seed=1).to(dtype)
+    total, normed = fused.add_rms_norm(kernel, x, y, weight, 1e-5)
+    assert torch.equal(total, x + y)
+    assert torch.equal(normed, fused.torch_rms_norm(x + y, weight, 1e-5))
+
+
+@needs_compiler
+def test_a_kernel_whose_sum_is_not_rounded_leaves_rmsnorm_to_torch(kernel, fresh_choice, monkeypatch, caplog):
+    """A residual's sum kept in float32 into the norm (not rounded to bfloat16 first) gives other
+    bits: the check refuses the kernel's norms, and torch's operations keep them."""
+
+    def unrounded(k, x, y, weight, eps):
+        wide = x.float() + y.float()
+        return wide.to(x.dtype), fused.torch_rms_norm(wide, weight.float(), eps).to(x.dtype)
+
+    monkeypatch.setattr(fused, "add_rms_norm", unrounded)
+    with caplog.at_level(logging.WARNING):
+        assert fused.norm_kernel() is None
+    assert "does not sum or round as torch does" in caplog.text
+
+
+@needs_compiler
 def test_rms_norm_takes_only_what_it_computes_as_torch_does(kernel):
     x, weight = spread(4, 64, seed=0), spread(64, seed=1)
     assert kernel.takes_norm(x, weight)

@@ -105,6 +105,11 @@ def test_a_bound_step_refuses_pools_and_rows_it_was_not_bound_for(tmp_path):
     assert torch.equal(kernels.norm(x, torch.ones(x.shape[1]), 1e-5), torch_rms_norm(x, torch.ones(x.shape[1]), 1e-5))
     with pytest.raises(ValueError, match="the rows to normalize must be"):
         kernels.norm(torch.randn(2, 8), torch.randn(8), 1e-5)
+    y, weight = torch.randn(1, x.shape[1]), torch.randn(x.shape[1])
+    total, normed = kernels.add_norm(x, y, weight, 1e-5)
+    assert torch.equal(total, x + y) and torch.equal(normed, torch_rms_norm(x + y, weight, 1e-5))
+    with pytest.raises(ValueError, match="the rows added to the residual must be"):
+        kernels.add_norm(x, torch.randn(2, x.shape[1]), weight, 1e-5)
     with pytest.raises(ValueError, match="SiLU of halves 104 wide was not bound"):
         kernels.silu(torch.randn(1, 208))
     # halves of 104: SiLU's kernel does not take them, so neither RMSNorm nor SiLU is bound
@@ -112,6 +117,8 @@ def test_a_bound_step_refuses_pools_and_rows_it_was_not_bound_for(tmp_path):
     assert unbound is not None and not unbound.norms
     with pytest.raises(ValueError, match="RMSNorm was not bound"):
         unbound.norm(x, torch.ones(x.shape[1]), 1e-5)
+    with pytest.raises(ValueError, match="RMSNorm was not bound"):
+        unbound.add_norm(x, y, weight, 1e-5)
     with pytest.raises(ValueError, match="cos must be"):
         step_kernels.bind(layout, cos[..., :-2], sin[..., :-2], pool=cache.k[0], heads=h, silu_width=128)
     # bfloat16 cos and sin for float32 pools: not the kernels' (one dtype for all), torch's way

@@ -311,27 +311,56 @@ static inline float torch_sum_of_squares(const void *restrict x, int64_t n, int 
     return total;
 }
 
-/* RMSNorm of rows x [rows, n >= 8] with weight w [n] into out [rows, n], as llama.py's `rms_norm`
- * gives it through torch: r = 1 / sqrt(sum(x^2) / n + eps) in float32, then w * (x * r), each
- * product rounded; in bfloat16 (`bf16`: x, w and out) x widened, x * r rounded to bfloat16, and w
- * times that rounded again. No multiply-add fused. */
+/* RMSNorm of one row x [n >= 8] by w [n] into o [n], as llama.py's `rms_norm` gives it through
+ * torch: r = 1 / sqrt(sum(x^2) / n + eps) in float32, then w * (x * r), each product rounded; in
+ * bfloat16 (`bf16`: x, w and o) x widened, x * r rounded to bfloat16, and w times that rounded
+ * again. No multiply-add fused. */
 UNFUSED
+static inline void norm_row(const void *restrict x, const void *restrict w, int bf16, int64_t n, float eps,
+                            void *restrict out) {
+    CONTRACT_OFF
+    const float scale = 1.0f / sqrtf(torch_sum_of_squares(x, n, bf16) / (float)n + eps);
+    if (bf16) {
+        const uint16_t *xr = (const uint16_t *)x, *wr = (const uint16_t *)w;
+        uint16_t *o = (uint16_t *)out;
+        for (int64_t i = 0; i < n; ++i) o[i] = narrow(widen(wr[i]) * widen(narrow(widen(xr[i]) * scale)));
+    } else {
+        const float *xr = (const float *)x, *wr = (const float *)w;
+        float *o = (float *)out;
+        for (int64_t i = 0; i < n; ++i) o[i] = wr[i] * (xr[i] * scale);
+    }
+}
+
+/* RMSNorm of rows x [rows, n >= 8] with weight w [n] into out [rows, n] (`norm_row`). */
 void layerline_rms_norm(const void *restrict x, const void *restrict w, int bf16, int64_t rows, int64_t n, float eps,
                         int threads, void *restrict out) {
-    CONTRACT_OFF
+    const int64_t size = bf16 ? 2 : 4;
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= 65536)
+    for (int64_t r = 0; r < rows; ++r) norm_row((const char *)x + r * n * size, w, bf16, n, eps, (char *)out + r * n * size);
+}
+
+/* The residual's sum and its RMSNorm at once, as a layer's `x = x + y` then the next norm give them
+ * through torch: sum [rows, n] = x + y rounded once to the dtype (bfloat16 widened, added, rounded
+ * to nearest even), then out = RMSNorm(sum) by w (`norm_row`). */
+UNFUSED
+void layerline_add_rms_norm(const void *restrict x, const void *restrict y, const void *restrict w, int bf16,
+                            int64_t rows, int64_t n, float eps, int threads, void *restrict sum, void *restrict out) {
+    CONTRACT_OFF
+    const int64_t size = bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= 8192)
     for (int64_t r = 0; r < rows; ++r) {
         if (bf16) {
-            const uint16_t *xr = (const uint16_t *)x + r * n, *wr = (const uint16_t *)w;
-            uint16_t *o = (uint16_t *)out + r * n;
-            const float scale = 1.0f / sqrtf(torch_sum_of_squares(xr, n, 1) / (float)n + eps);
-            for (int64_t i = 0; i < n; ++i) o[i] = narrow(widen(wr[i]) * widen(narrow(widen(xr[i]) * scale)));
+            const uint16_t *xr = (const uint16_t *)x + r * n, *yr = (const uint16_t *)y + r * n;
+            uint16_t *s = (uint16_t *)sum + r * n;
+#pragma omp simd
+            for (int64_t i = 0; i < n; ++i) s[i] = narrow(widen(xr[i]) + widen(yr[i]));
         } else {
-            const float *xr = (const float *)x + r * n, *wr = (const float *)w;
-            float *o = (float *)out + r * n;
-            const float scale = 1.0f / sqrtf(torch_sum_of_squares(xr, n, 0) / (float)n + eps);
-            for (int64_t i = 0; i < n; ++i) o[i] = wr[i] * (xr[i] * scale);
+            const float *xr = (const float *)x + r * n, *yr = (const float *)y + r * n;
+            float *s = (float *)sum + r * n;
+#pragma omp simd
+            for (int64_t i = 0; i < n; ++i) s[i] = xr[i] + yr[i];
         }
+        norm_row((const char *)sum + r * n * size, w, bf16, n, eps, (char *)out + r * n * size);
     }
 }
 
