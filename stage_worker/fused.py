@@ -64,13 +64,13 @@ def _norm_is_torchs(kernel: native.PagedAttentionKernel, dtype: torch.dtype) -> 
     magnitudes (where a fused multiply-add or another order of the sum shows in the last bit), and
     its RMSNorm after a residual's sum (`add_rms_norm`) equals torch's `x + y` and that norm."""
     generator = torch.Generator().manual_seed(0)
+
+    def spread(rows: int, n: int) -> torch.Tensor:  # normal values scaled by e^(2 z): many magnitudes
+        wide = torch.randn(rows, n, generator=generator) * torch.randn(rows, n, generator=generator).mul(2).exp()
+        return wide.to(dtype)
+
     for rows, n in CHECKED_SHAPES:
-        x, y = (
-            (torch.randn(rows, n, generator=generator) * torch.randn(rows, n, generator=generator).mul(2).exp()).to(
-                dtype
-            )
-            for _ in range(2)
-        )
+        x, y = spread(rows, n), spread(rows, n)
         weight = torch.randn(n, generator=generator).to(dtype)
         if not torch.equal(kernel.rms_norm(x, weight, 1e-5), torch_rms_norm(x, weight, 1e-5)):
             return False

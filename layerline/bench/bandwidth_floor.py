@@ -9,8 +9,9 @@ The weights' bytes a token reads (`weight_bytes`: the model's linear layers and 
 the run's dtype; norms and one embedding row are next to nothing) over that speed is the least
 time any engine could take a token here; transformers' time over it is the most any engine
 could show over transformers, and our stage's rate over its rate is how much of the machine a
-lone stream keeps. Measured on the AMX Xeon of issue 21 (2 cores): 24.8 GB/s; SmolLM2 in
-float32 reads 540 MB a token, 21.8 ms, against transformers' 38 ms (1.75x).
+lone stream keeps. Measured in seven bench runs on 2 cores of an Intel Xeon with AMX (issue 21's
+nineteenth session): 28-33 GB/s; SmolLM2 reads 538 MB a token in float32, 16-19 ms, against
+transformers' 38-39 ms (2.16-2.33x), and 269 MB in bfloat16 (4.5-4.8x).
 
 Knows a model by its config's shapes only; nothing of clusters or the network.
 """
