@@ -332,6 +332,7 @@ static inline void norm_row(const void *restrict x, const void *restrict w, int 
 }
 
 /* RMSNorm of rows x [rows, n >= 8] with weight w [n] into out [rows, n] (`norm_row`). */
+UNFUSED
 void layerline_rms_norm(const void *restrict x, const void *restrict w, int bf16, int64_t rows, int64_t n, float eps,
                         int threads, void *restrict out) {
     const int64_t size = bf16 ? 2 : 4;
