@@ -84,7 +84,7 @@ class DecodePath:
         if kernels is None or not kernels.norms or x.dtype != kernels.dtype or layers[0].input_norm.dtype != x.dtype:
             return None  # every layer's norm weights share one dtype (`_plan`)
         # Each residual's sum and the norm after it in one call (`add_norm`): the modules' `x + y`
-        # and norm, to the bit, in 59 calls instead of 118 for SmolLM2's 30 layers.
+        # and norm, to the bit: for SmolLM2's 30 layers 61 calls (and adds) instead of 120.
         normed = kernels.norm(x, layers[0].input_norm, eps)
         for i, layer in enumerate(layers):
             qkv = _product(normed, layer.qkv)  # [D, (h + 2 kvh) d]

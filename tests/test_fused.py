@@ -83,7 +83,7 @@ def test_rms_norm_is_torchs_numbers(kernel, dtype, shape):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 576), (32, 576), (7, 8), (9, 15), (3, 1536), (14, 576), (200, 576)], ids=str)
 def test_a_residuals_sum_and_its_norm_in_one_call_are_torchs_numbers(kernel, dtype, shape):
-    """`add_rms_norm`: x + y rounded once to the dtype, and RMSNorm of that, torch.equal to torch's
+    """`add_rms_norm`: x + y as torch rounds it in the dtype, and RMSNorm of that, torch.equal to torch's
     `x + y` and `torch_rms_norm` of it; rows on one thread and past the parallel loop's 8192."""
     x, y = spread(*shape, seed=sum(shape)).to(dtype), spread(*shape, seed=7).to(dtype)
     weight = spread(shape[-1], seed=1).to(dtype)

@@ -341,8 +341,8 @@ void layerline_rms_norm(const void *restrict x, const void *restrict w, int bf16
 }
 
 /* The residual's sum and its RMSNorm at once, as a layer's `x = x + y` then the next norm give them
- * through torch: sum [rows, n] = x + y rounded once to the dtype (bfloat16 widened, added, rounded
- * to nearest even), then out = RMSNorm(sum) by w (`norm_row`). */
+ * through torch: sum [rows, n] = x + y as torch's add rounds it (bfloat16 widened, added in float32,
+ * rounded to nearest even), then out = RMSNorm(sum) by w (`norm_row`). */
 UNFUSED
 void layerline_add_rms_norm(const void *restrict x, const void *restrict y, const void *restrict w, int bf16,
                             int64_t rows, int64_t n, float eps, int threads, void *restrict sum, void *restrict out) {
