@@ -84,8 +84,13 @@ def add_rms_norm(
     kernel: native.PagedAttentionKernel, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x + y and its RMSNorm by weight through the kernel's `add_rms_norm`, for rows x and y [rows,
-    n >= 8] and weight [n], contiguous CPU tensors of one dtype (float32 or bfloat16), as the
-    caller checked: the C trusts them."""
+    n >= 8] and weight [n]: what `rms_norm` takes (`PagedAttentionKernel.takes_norm`), y as x.
+    ValueError otherwise: the C trusts what it is given."""
+    if x.dim() != 2 or not kernel.takes_norm(x, weight) or not kernel.takes_norm(y, weight) or y.shape != x.shape:
+        raise ValueError(
+            f"a residual's sum and norm of {x.dtype} {tuple(x.shape)} and {y.dtype} {tuple(y.shape)} by "
+            f"{weight.dtype} {tuple(weight.shape)}: not taken"
+        )
     total, normed = torch.empty_like(x), torch.empty_like(x)
     rows, n = x.shape
     bf16 = x.dtype == torch.bfloat16

@@ -93,6 +93,20 @@ def test_a_residuals_sum_and_its_norm_in_one_call_are_torchs_numbers(kernel, dty
 
 
 @needs_compiler
+def test_a_residuals_sum_and_norm_refuses_what_the_norm_does_not_take(kernel):
+    x, weight = spread(4, 64, seed=0), spread(64, seed=1)
+    refused = {
+        "rows of another shape": (x, spread(3, 64, seed=2)),
+        "unlike dtypes": (x, x.to(torch.bfloat16)),
+        "a strided row": (x, spread(4, 128, seed=2)[:, ::2]),
+        "a 3-D batch": (x.view(2, 2, 64), x.view(2, 2, 64)),
+    }
+    for a, b in refused.values():
+        with pytest.raises(ValueError, match="not taken"):
+            fused.add_rms_norm(kernel, a, b, weight, 1e-5)
+
+
+@needs_compiler
 def test_a_kernel_whose_sum_is_not_rounded_leaves_rmsnorm_to_torch(kernel, fresh_choice, monkeypatch, caplog):
     """A residual's sum kept in float32 into the norm (not rounded to bfloat16 first) gives other
     bits: the check refuses the kernel's norms, and torch's operations keep them."""
