@@ -4,16 +4,17 @@ Under load most steps are a decode batch: every sequence adds one token. Through
 layer is a dozen module calls and the kernel wrappers' checks, about 100 us of Python a layer
 between the products (a 32-row step of SmolLM2's 30 layers, bfloat16, one process, 2 cores of an
 Intel Xeon with AMX: 29 ms in the layers, of them 16 in the products and 9 in the kernels).
-`DecodePath` runs the same math on the same tensors: oneDNN's packed weights of each layer
-(layouts.PackedLinear's `weight_packed`) multiplied directly, and the compiled kernels bound once
-a step (step_kernels.py): the same calls in the same order as the modules make, so the same
-numbers to the bit (tests/test_decode_path.py checks that). Measured there, 10 interleaved rounds
-of 3 steps, the whole step: 32 rows bfloat16 33.1 -> 29.8 ms, float32 72.1 -> 67.7 ms; 8 rows
-23.1 -> 19.9 and 41.3 -> 37.5 ms; the same tokens. Each residual's sum and the norm after it
-are then one call (`StepKernels.add_norm`, split over the threads from 8192 elements): in one
-process, 12 interleaved rounds of 3 steps against torch's add and the norm apart, bfloat16 32
-rows 39.1 -> 38.5 and 39.3 -> 37.8 ms, 16 rows 30.5 -> 29.8 and 30.2 -> 29.1 (the machine slower
-that day); float32 unchanged within its noise; the same tokens.
+`DecodePath` runs the same math on the same tensors: the packed weights of each layer
+(layouts.PackedLinear's `weight_packed`, oneDNN's or the AMX tiles') multiplied directly, and
+the compiled kernels bound once a step (step_kernels.py): the same calls in the same order as
+the modules make, so the same numbers to the bit (tests/test_decode_path.py checks that).
+Measured there, 10 interleaved rounds of 3 steps, the whole step: 32 rows bfloat16 33.1 -> 29.8
+ms, float32 72.1 -> 67.7 ms; 8 rows 23.1 -> 19.9 and 41.3 -> 37.5 ms; the same tokens. Each
+residual's sum and the norm after it are then one call (`StepKernels.add_norm`, split over the
+threads from 8192 elements): in one process, 12 interleaved rounds of 3 steps against torch's
+add and the norm apart, bfloat16 32 rows 39.1 -> 38.5 and 39.3 -> 37.8 ms, 16 rows 30.5 -> 29.8
+and 30.2 -> 29.1 (the machine slower that day); float32 unchanged within its noise; the same
+tokens.
 
 It serves a step of two or more decoding rows (`StepLayout.decode_only`; a lone row is rows.py's)
 on one rank (no collectives), where every linear layer of the stage is packed and the kernels
@@ -33,13 +34,14 @@ from torch import nn
 from .kv_cache import PagedKVCache, StepLayout
 from .llama import DecoderLayer, StageModel
 from .step_kernels import bind
+from .tiles import is_packed, packed_product
 
-Packed = tuple[torch.Tensor, torch.Tensor | None]  # oneDNN's packed weight and the bias
+Packed = tuple[torch.Tensor, torch.Tensor | None]  # the packed weight (oneDNN's or the tiles') and the bias
 
 
 def _product(x: torch.Tensor, weight: Packed) -> torch.Tensor:
-    """x W^T + b through oneDNN, as `PackedLinear.forward` computes it for several rows."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight[0], weight[1], "none", [], "")
+    """x W^T + b, as `PackedLinear.forward` computes it."""
+    return packed_product(x, weight[0], weight[1])
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,7 @@ def _packed(module: nn.Module) -> Packed | None:
     """A `layouts.PackedLinear`'s packed weight and bias (what it multiplies several rows by); None
     for any other layer."""
     weight, bias = getattr(module, "weight_packed", None), getattr(module, "bias", None)
-    if not isinstance(weight, torch.Tensor) or not weight.is_mkldnn:
+    if not isinstance(weight, torch.Tensor) or not is_packed(weight):
         return None
     assert bias is None or isinstance(bias, torch.Tensor)
     return weight, bias

@@ -38,6 +38,7 @@ from .llama import DecoderLayer, StageModel, StepThreads, VocabParallelEmbedding
 from .quantize import Int8Embedding, QuantizeError, quantized
 from .rows import RowPath, RowWeight, row_product
 from .settings import QUANTIZE, WEIGHT_LAYOUTS  # see PackedLinear; the stage's --weight-layout, --quantize
+from .tiles import packed_product, tiled_if_served
 
 MANY_ROWS = 16  # from this many rows on, a matmul is worth computing as (W x^T)^T (see below)
 HEAD_BLOCKS = (8, 4, 2, 1)  # the LM head's blocks: the first of these that divides the vocabulary
@@ -234,20 +235,24 @@ class PackedLinear(nn.Module):
 
     In bfloat16 (on a CPU with bfloat16 instructions) the packed weight wins at every row count
     (one row 1.7x, 16 rows 1.65x, 32 rows 1.3x against torch's plain bfloat16 matmul, 19 layers,
-    one thread), so no plain copy is kept even under `both`.
+    one thread), so no plain copy is kept even under `both`; and where the AMX tile kernel serves
+    (tiles.py: oneDNN's numbers up to 32 rows, 30-45% sooner on SmolLM2's shapes), the weight is
+    laid out for it instead of for oneDNN.
     """
 
     def __init__(self, plain: TransposedLinear | Linear | LMHead, *, keep_plain: bool) -> None:
         super().__init__()
         # Detached: an autograd graph from the packed weight would keep the plain one alive.
         weight = plain.dense().detach().contiguous()
-        self.register_buffer("weight_packed", torch.ops.mkldnn._reorder_linear_weight(weight, None))
+        tiled = tiled_if_served(weight)
+        packed = tiled if tiled is not None else torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        self.register_buffer("weight_packed", packed)
         self.register_buffer("bias", None if plain.bias is None else plain.bias.detach().contiguous())
         self.plain = plain if keep_plain else None
 
     def row_weight(self, threads: int) -> RowWeight:
         """The plain layer's, when it is kept; else the packed weight, which a single row
-        multiplies through oneDNN as the modules do (`rows.row_product`)."""
+        multiplies as the modules do (`rows.row_product`)."""
         if self.plain is not None:
             return self.plain.row_weight(threads)
         weight, bias = self.weight_packed, self.bias
@@ -257,7 +262,9 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.plain is not None and x.shape[0] == 1:
             return self.plain(x)
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight_packed, self.bias, "none", [], "")
+        weight, bias = self.weight_packed, self.bias
+        assert isinstance(weight, torch.Tensor) and (bias is None or isinstance(bias, torch.Tensor))
+        return packed_product(x, weight, bias)
 
 
 def check_weight_layout(weight_layout: str) -> None:

@@ -1,10 +1,11 @@
 """The stage's compiled CPU kernels: C shipped in kernels/, compiled once per machine, called via ctypes.
 
-One library, four functions: a decode batch's attention off the paged pools (`PagedAttentionKernel`
-called), its rotary with the new keys and values written to the pools (`rotate_and_store`),
-RMSNorm (`rms_norm`), and the MLP's SiLU of the gate times the up projection (`silu_mul`).
+One library: a decode batch's attention off the paged pools (`PagedAttentionKernel` called), its
+rotary with the new keys and values written to the pools (`rotate_and_store`), RMSNorm
+(`rms_norm`), and the MLP's SiLU of the gate times the up projection (`silu_mul`), all of
+kernels/paged_attention.c; and bfloat16 products on AMX tiles (kernels/tiles.c, see tiles.py).
 
-Owns finding a C compiler ($CC, else `cc`, else `gcc`), compiling kernels/paged_attention.c for
+Owns finding a C compiler ($CC, else `cc`, else `gcc`), compiling the SOURCES for
 the CPU it runs on (`-O3 -march=native -fopenmp`; without `-march=native` where the compiler
 refuses it) into the cache ($LAYERLINE_HOME/kernels, which must be this user's and writable by
 nobody else; each build named by a hash of the source, the flags, the compiler's version and the
@@ -45,7 +46,7 @@ from layerline.model_store.store import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "kernels" / "paged_attention.c"
+SOURCES = tuple(Path(__file__).parent / "kernels" / name for name in ("paged_attention.c", "tiles.c"))
 ENV = "LAYERLINE_KERNELS"  # "auto" (the default): compile and use the kernel; "torch": torch's path only
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 FLAG_SETS = (("-march=native", *FLAGS), FLAGS)  # tried in order
@@ -63,6 +64,8 @@ SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "rms_norm": ([_P, _P, _INT, _I, _I, _FLOAT, _INT, _P], None),
     "add_rms_norm": ([_P, _P, _P, _INT, _I, _I, _FLOAT, _INT, _P, _P], None),
     "silu_mul": ([_P, _INT, _I, _I, _INT, _P], None),
+    "tiles_ready": ([], _INT),
+    "tile_linear": ([_P, _P, _P, _I, _I, _I, _INT, _P], _INT),
 }
 
 
@@ -119,7 +122,7 @@ def _plain(t: torch.Tensor) -> bool:
 
 
 class PagedAttentionKernel:
-    """The compiled kernels of kernels/paged_attention.c, loaded from `path`."""
+    """The compiled kernels of the SOURCES, loaded from `path`."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -281,7 +284,7 @@ def load() -> PagedAttentionKernel:
         raise KernelUnavailable("no C compiler (cc or gcc on PATH, or $CC)")
     try:
         version = _version(compiler)
-        source = SOURCE.read_bytes()
+        source = b"\0".join(path.read_bytes() for path in SOURCES)
         directory = _directory()
         errors: list[str] = []
         for flags in FLAG_SETS:
@@ -292,7 +295,8 @@ def load() -> PagedAttentionKernel:
                 if error:
                     errors.append(f"{compiler} {' '.join(flags)}: {error}")
                     continue
-                log.info("compiled %s with %s %s into %s", SOURCE.name, compiler, " ".join(flags), path)
+                names = ", ".join(file.name for file in SOURCES)
+                log.info("compiled %s with %s %s into %s", names, compiler, " ".join(flags), path)
             _own(path)
             kernel = PagedAttentionKernel(path)
             _one_openmp_runtime()
@@ -358,13 +362,13 @@ def _one_openmp_runtime() -> None:
 
 
 def _compile(compiler: str, flags: tuple[str, ...], path: Path) -> str | None:
-    """Compile SOURCE into `path` (written whole or not at all); the compiler's complaint if it fails.
+    """Compile the SOURCES into `path` (written whole or not at all); the compiler's complaint if it fails.
     The compiler runs in a session of its own, so that a timeout kills its linker too."""
     fd, partial = tempfile.mkstemp(prefix=path.stem + "-", suffix=".so.partial", dir=path.parent)
     os.close(fd)
     try:
         with subprocess.Popen(
-            [compiler, *flags, "-o", partial, str(SOURCE)],
+            [compiler, *flags, "-o", partial, *map(str, SOURCES)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -32,9 +32,11 @@ from .fused import norm_kernel, silu_kernel
 from .kv_cache import PagedKVCache, StepLayout
 from .llama import DecoderLayer, StageModel, decode_attention, rms_norm
 from .step_kernels import bind
+from .tiles import is_packed, packed_product
 
 # How a single row multiplies a linear layer: (w, b) with y = (x @ w).view(1, -1) + b for x [1, in],
-# or, where w is oneDNN's packed weight (`w.is_mkldnn`), x W^T + b through oneDNN (see `row_product`).
+# or, where w is a packed weight (oneDNN's or the AMX tiles', `tiles.is_packed`), x W^T + b as the
+# modules multiply it (see `row_product`).
 # A linear layer that offers `row_weight(threads) -> RowWeight | None` (the CPU layouts of
 # layouts.py do) can be on the path.
 RowWeight = tuple[torch.Tensor, torch.Tensor | None]
@@ -109,7 +111,7 @@ def row_add_product(residual: torch.Tensor, x: torch.Tensor, weight: RowWeight) 
     """residual + x W^T for single rows residual [1, out], x [1, in], in one kernel where the
     weight has no bias (the product adds onto the residual), else as `residual + row_product`."""
     w, b = weight
-    if b is not None or w.is_mkldnn:
+    if b is not None or is_packed(w):
         return row_product(x, weight).add_(residual)
     if w.dim() == 2:  # [in, out]
         return torch.addmm(residual, x, w)
@@ -119,11 +121,11 @@ def row_add_product(residual: torch.Tensor, x: torch.Tensor, weight: RowWeight) 
 
 def row_product(x: torch.Tensor, weight: RowWeight) -> torch.Tensor:
     """x W^T + b for a single row x [1, in]: [1, out]. The weight may be [in, out], output
-    blocks [blocks, in, out / blocks], whose batched product is [1, out] in memory, or oneDNN's
-    packed weight (layouts.PackedLinear)."""
+    blocks [blocks, in, out / blocks], whose batched product is [1, out] in memory, or a packed
+    weight (layouts.PackedLinear: oneDNN's or the tiles')."""
     w, b = weight
-    if w.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    if is_packed(w):
+        return packed_product(x, w, b)
     y = torch.matmul(x, w).view(1, -1)
     return y if b is None else y + b
 

@@ -149,7 +149,7 @@ def test_turned_off_or_without_a_compiler_the_stage_keeps_torchs_path(home, monk
 def test_a_compiler_that_fails_leaves_nothing_behind(home, monkeypatch):
     broken = home / "broken.c"
     broken.write_text("int layerline_paged_attention(void) { return syntax error; }\n")
-    monkeypatch.setattr(native, "SOURCE", broken)
+    monkeypatch.setattr(native, "SOURCES", (broken, *native.SOURCES[1:]))
     with pytest.raises(native.KernelUnavailable, match=r"compiling failed: .*-march=native.*; .*-O3"):
         native.load()
     assert list((home / "kernels").iterdir()) == []
