@@ -265,9 +265,8 @@ class PagedKVCache:
             self._lengths[seq] = end
             row += n
         width = max((len(t) for t in decode_tables), default=0)
-        padded = torch.zeros(len(decode_tables), width, dtype=torch.long)
-        for i, t in enumerate(decode_tables):
-            padded[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long)
+        padded = padded.view(len(decode_tables), width)  # [D, width], also where D is 0
         lens = torch.tensor(decode_lens, dtype=torch.long)
         held = torch.arange(width * block) < lens[:, None]  # [D, L]
         # Additive, once a step: given the booleans, torch's attention made this at every layer
