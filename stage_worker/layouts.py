@@ -222,7 +222,8 @@ def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b through oneDNN, with W reordered once, at load, into oneDNN's blocked layout.
+    """y = x W^T + b through oneDNN, with W reordered once, at load, into oneDNN's blocked layout
+    (in bfloat16 on a CPU with AMX, through the tile kernel of tiles.py, W laid out for it instead).
 
     On CPU in float32 this beats the plain layouts above from two rows on. Measured on this
     model's 19 layers on one thread: 2 rows 1.2x, 4 rows 2.5x, 16 rows 1.9x, 32 rows 1.5x faster;

@@ -31,8 +31,8 @@ log = logging.getLogger(__name__)
 
 BLOCK_OUT, BLOCK_IN = 16, 32  # a tile block of the weight: 16 output columns by 32 inputs
 # (rows, out, in) checked against oneDNN: one row, a half tile, one tile and one past, two tiles;
-# the model's shapes among them.
-CHECKED = ((1, 64, 96), (5, 96, 64), (16, 32, 576), (17, 960, 576), (32, 576, 1536))
+# SmolLM2's qkv, gate_up and down among the shapes.
+CHECKED = ((1, 64, 96), (5, 96, 64), (16, 32, 576), (17, 960, 576), (32, 576, 1536), (3, 3072, 576))
 
 
 def fits(weight: torch.Tensor) -> bool:
@@ -56,7 +56,8 @@ def layout(weight: torch.Tensor) -> torch.Tensor:
 
 def is_tiled(weight: torch.Tensor) -> bool:
     """Whether `weight` is in the tiles' layout (`layout`)."""
-    return weight.dim() == 5 and weight.shape[2:] == (BLOCK_IN // 2, BLOCK_OUT, 2) and weight.dtype == torch.bfloat16
+    blocks = weight.dim() == 5 and weight.shape[2:] == (BLOCK_IN // 2, BLOCK_OUT, 2) and weight.shape[0] % 2 == 0
+    return blocks and weight.dtype == torch.bfloat16
 
 
 def product(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -65,14 +66,16 @@ def product(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> 
     kernel = tile_kernel()
     if kernel is None:
         raise ValueError("no AMX tile kernel serves on this CPU")
+    if not is_tiled(tiles) or not tiles.is_contiguous() or tiles.device.type != "cpu":
+        raise ValueError(f"tiles {list(tiles.shape)} {tiles.dtype}: not a contiguous CPU tile layout")
     out, fan_in = tiles.shape[0] * BLOCK_OUT, tiles.shape[1] * BLOCK_IN
-    if not is_tiled(tiles) or not tiles.is_contiguous() or x.shape[-1] != fan_in or x.dtype != torch.bfloat16:
-        raise ValueError(f"rows {list(x.shape)} {x.dtype} for tiles {list(tiles.shape)}: in {fan_in}, bfloat16")
+    if x.dim() == 0 or x.shape[-1] != fan_in or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        raise ValueError(f"rows {list(x.shape)} {x.dtype} for tiles {list(tiles.shape)}: in {fan_in}, bfloat16, CPU")
     if bias is not None and (bias.shape != (out,) or bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
         raise ValueError(f"a bias of {out} contiguous bfloat16 for these tiles, not {list(bias.shape)} {bias.dtype}")
-    if x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad):
-        raise ValueError("the tile kernel takes CPU rows without a gradient")
-    rows = x.reshape(-1, fan_in).contiguous()
+    if bias is not None and bias.device.type != "cpu":
+        raise ValueError("a bias on the CPU for these tiles")
+    rows = x.detach().reshape(-1, fan_in).contiguous()  # the result carries no gradient, as oneDNN's
     y = torch.empty(rows.shape[0], out, dtype=torch.bfloat16)
     if rows.shape[0]:
         b = None if bias is None else bias.data_ptr()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from layerline.shared.model_config import LayerRange, ModelConfig
-from layerline.stage_worker import fused, native, paged_attention
+from layerline.stage_worker import fused, native, paged_attention, tiles
 from layerline.stage_worker import rows as rows_module
 from layerline.stage_worker.llama import StageModel
 from layerline.stage_worker.rows import row_norm, row_silu_mul
@@ -37,10 +37,10 @@ def kernel(tmp_path_factory) -> Iterator[native.PagedAttentionKernel]:
 def fresh_choice():
     """`compiled_kernel`, `norm_kernel` and `silu_kernel` decide again in this test, and again after it (asked for
     before monkeypatch, so that its patches are undone first)."""
-    for cached in (paged_attention.compiled_kernel, fused.norm_kernel, fused.silu_kernel):
+    for cached in (paged_attention.compiled_kernel, fused.norm_kernel, fused.silu_kernel, tiles.tile_kernel):
         cached.cache_clear()
     yield
-    for cached in (paged_attention.compiled_kernel, fused.norm_kernel, fused.silu_kernel):
+    for cached in (paged_attention.compiled_kernel, fused.norm_kernel, fused.silu_kernel, tiles.tile_kernel):
         cached.cache_clear()
 
 

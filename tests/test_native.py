@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from layerline.stage_worker import fused, native, paged_attention
+from layerline.stage_worker import fused, native, paged_attention, tiles
 from layerline.stage_worker.kv_cache import CacheShape, PagedKVCache, StepLayout
 from layerline.stage_worker.llama import gathered_decode_attention, swap_halves
 
@@ -33,10 +33,10 @@ def home(tmp_path, monkeypatch) -> Path:
 @pytest.fixture
 def fresh_choice():
     """`compiled_kernel` decides again in this test, and again after it."""
-    for cached in (paged_attention.compiled_kernel, fused.norm_kernel, fused.silu_kernel):
+    for cached in (paged_attention.compiled_kernel, fused.norm_kernel, fused.silu_kernel, tiles.tile_kernel):
         cached.cache_clear()
     yield
-    for cached in (paged_attention.compiled_kernel, fused.norm_kernel, fused.silu_kernel):
+    for cached in (paged_attention.compiled_kernel, fused.norm_kernel, fused.silu_kernel, tiles.tile_kernel):
         cached.cache_clear()
 
 

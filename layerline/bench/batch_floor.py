@@ -3,15 +3,16 @@
 Owns `BatchFloor`. A decode step of B sequences multiplies every weight of the model by B rows,
 and at B = 32 those products are most of the step's time. This measures them alone, in the
 bench's own process: a stage of the model's shapes holding all its layers, random weights in
-the layouts a stage gives them (`apply_layouts`: oneDNN's packed weights where they serve the
-dtype, as `--weight-layout both` keeps them), and of it only the linear layers and the LM head,
-called on random inputs of B rows: no attention, KV cache, norms, rotary, sampling, scheduler or
-messages. `generate(tokens)` times as many such steps as a request decodes tokens, so that its
-tokens/s stands beside transformers' batch in the same round.
+the layouts a stage gives them (`apply_layouts`: packed weights where they serve the dtype, as
+`--weight-layout both` keeps them: oneDNN's, or in bfloat16 on a CPU with AMX the tile kernel's
+of stage_worker/tiles.py), and of it only the linear layers and the LM head, called on random
+inputs of B rows: no attention, KV cache, norms, rotary, sampling, scheduler or messages.
+`generate(tokens)` times as many such steps as a request decodes tokens, so that its tokens/s
+stands beside transformers' batch in the same round.
 
-transformers' batch over this floor is the most any engine of torch's products could show over
-transformers' batch on this machine; layerline's figure over it is how much of the machine's
-products a step of layerline keeps. Knows a model by its config's shapes only.
+This floor over transformers' batch is the most an engine multiplying with these kernels could
+show over transformers' batch on this machine; layerline's figure over it is how much of the
+machine's products a step of layerline keeps. Knows a model by its config's shapes only.
 """
 
 from __future__ import annotations

@@ -53,6 +53,7 @@ static void configure(int rows) {
     config.rows[0] = config.rows[1] = config.rows[4] = first;
     config.rows[2] = config.rows[3] = config.rows[5] = second;
     config.rows[6] = config.rows[7] = 16;
+    __asm__ volatile("" : : "m"(config) : "memory"); /* all 64 bytes stored before LDTILECFG reads them */
     _tile_loadconfig(&config);
 }
 
