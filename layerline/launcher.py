@@ -39,7 +39,7 @@ from layerline.supervisor import Command, RestartPolicy, Supervisor
 SPLITS = ("measured", "weights")  # how `up` splits the layers without --layers (ClusterPlan.split)
 MEASURE_TIMEOUT_S = 300.0  # measuring a step's cost (a few seconds) never holds a start longer
 STEP_COSTS = "step-costs.json"  # in the cache directory: what a step costs, per model shape and machine
-STEP_COST_METHOD = 2  # step_cost.py's way of measuring; a new one measures anew (part of the key)
+STEP_COST_METHOD = 3  # step_cost.py's way of measuring, or the engine's (3: the tiles); a new one measures anew
 
 
 @dataclass(frozen=True)
