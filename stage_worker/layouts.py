@@ -38,7 +38,7 @@ from .llama import DecoderLayer, StageModel, StepThreads, VocabParallelEmbedding
 from .quantize import Int8Embedding, QuantizeError, quantized
 from .rows import RowPath, RowWeight, row_product
 from .settings import QUANTIZE, WEIGHT_LAYOUTS  # see PackedLinear; the stage's --weight-layout, --quantize
-from .tiles import packed_product, tiled_if_served
+from .tiles import pack, packed_product
 
 MANY_ROWS = 16  # from this many rows on, a matmul is worth computing as (W x^T)^T (see below)
 HEAD_BLOCKS = (8, 4, 2, 1)  # the LM head's blocks: the first of these that divides the vocabulary
@@ -244,10 +244,7 @@ class PackedLinear(nn.Module):
     def __init__(self, plain: TransposedLinear | Linear | LMHead, *, keep_plain: bool) -> None:
         super().__init__()
         # Detached: an autograd graph from the packed weight would keep the plain one alive.
-        weight = plain.dense().detach().contiguous()
-        tiled = tiled_if_served(weight)
-        packed = tiled if tiled is not None else torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        self.register_buffer("weight_packed", packed)
+        self.register_buffer("weight_packed", pack(plain.dense().detach().contiguous()))
         self.register_buffer("bias", None if plain.bias is None else plain.bias.detach().contiguous())
         self.plain = plain if keep_plain else None
 

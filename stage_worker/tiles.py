@@ -102,6 +102,13 @@ def tiled_if_served(weight: torch.Tensor) -> torch.Tensor | None:
     return layout(weight) if fits(weight) and tile_kernel() is not None else None
 
 
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """A [out, in] weight packed for `packed_product`: the tiles' layout where they serve it, else
+    oneDNN's (which must serve its dtype: layouts.can_pack)."""
+    tiled = tiled_if_served(weight)
+    return tiled if tiled is not None else torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+
 @functools.cache
 def tile_kernel() -> native.PagedAttentionKernel | None:
     """The compiled library, where its tile products serve (see the module's doc); None, logged

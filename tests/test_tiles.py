@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from layerline.shared.model_config import LayerRange
-from layerline.stage_worker import layouts, native, tiles
+from layerline.stage_worker import native, tiles
 from layerline.stage_worker.layouts import PackedLinear, can_pack
 from layerline.stage_worker.weights import load_stage
 
@@ -150,7 +150,7 @@ def test_a_stage_on_tiles_gives_the_logits_and_tokens_of_one_on_onednn(served, t
     the bit against the same stage with oneDNN's packed weights."""
     make_tiny_checkpoint(family, tmp_path, hidden_size=hidden, intermediate_size=128)
     on_tiles = load_stage(tmp_path, LayerRange(0, 4), dtype=torch.bfloat16)
-    monkeypatch.setattr(layouts, "tiled_if_served", lambda weight: None)
+    monkeypatch.setattr(tiles, "tiled_if_served", lambda weight: None)  # what `tiles.pack` asks
     on_onednn = load_stage(tmp_path, LayerRange(0, 4), dtype=torch.bfloat16)
     packed = {
         way: [m for m in stage.modules() if isinstance(m, PackedLinear)]

@@ -18,7 +18,6 @@ import asyncio
 import json
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import grpc
 
@@ -26,9 +25,6 @@ from layerline.shared.model_config import ModelConfig
 from layerline.shared.rpc import listen, server_options
 from layerline.shared.settings import DTYPES
 from layerline.stage_worker.settings import openmp_defaults
-
-if TYPE_CHECKING:
-    import torch
 
 SERVICE = "layerline.HopFloor"
 EMBEDDING_SEED, HEAD_SEED = 2**31 - 1, 2**31 - 2  # layer n's four weights take seeds 4n .. 4n + 3
@@ -71,24 +67,6 @@ class Shapes:
         )
 
 
-def _packed(weight: torch.Tensor) -> torch.Tensor:
-    """A [out, in] weight packed as layouts.PackedLinear packs it: for AMX tiles where they
-    serve, else for oneDNN."""
-    import torch
-
-    from layerline.stage_worker.tiles import tiled_if_served
-
-    tiled = tiled_if_served(weight)
-    return tiled if tiled is not None else torch.ops.mkldnn._reorder_linear_weight(weight, None)
-
-
-def _packed_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x W^T through the packed weight's kernel, as a stage's packed weights take several rows."""
-    from layerline.stage_worker.tiles import packed_product
-
-    return packed_product(x, weight, None)
-
-
 async def _serve_stage(
     port: int,
     shapes: Shapes,
@@ -105,6 +83,7 @@ async def _serve_stage(
     from layerline.protos.v1 import tensor_pb2
     from layerline.stage_worker.codec import CodecLimits, decode, encode
     from layerline.stage_worker.layouts import can_pack
+    from layerline.stage_worker.tiles import pack, packed_product
 
     torch.set_num_threads(threads)
     F = torch.nn.functional
@@ -114,10 +93,10 @@ async def _serve_stage(
 
     def weight(seed: int, rows: int, cols: int) -> torch.Tensor:
         w = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * cols**-0.5).to(kind)
-        return _packed(w) if packed else w
+        return pack(w) if packed else w  # as layouts.PackedLinear packs: AMX tiles where they serve, else oneDNN
 
     def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return _packed_product(x, w) if packed else F.linear(x, w)
+        return packed_product(x, w, None) if packed else F.linear(x, w)  # packed: as a stage's several rows
 
     layers = [
         (
