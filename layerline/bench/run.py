@@ -48,6 +48,7 @@ from layerline.bench.clusters import (
     measured_cluster,
 )
 from layerline.bench.hop_floor import HopFloor, measure_hop_floor
+from layerline.bench.machine import this_machine
 from layerline.bench.openai_streams import check_http_is_grpc, http_aggregate, http_single
 from layerline.bench.rounds import describe, interleaved, paired
 from layerline.bench.stream import Seconds, Stream
@@ -96,6 +97,7 @@ class BenchResult:
     ratios: dict[str, float] = field(default_factory=dict)  # of the medians
     paired_ratios: dict[str, list[float]] = field(default_factory=dict)  # PAIRS' ratios within each round
     within_budget: dict[str, bool] = field(default_factory=dict)
+    machine: dict[str, object] = field(default_factory=dict)  # the CPU and the kernels that served (machine.py)
 
 
 def _log(message: str) -> None:
@@ -159,6 +161,8 @@ def run_bench(
     beside the plaintext one, for the single stream's cost of TLS."""
     threads = os.cpu_count() or 1
     result = BenchResult(model=checkpoint.name, dtype=dtype, threads=threads, new_tokens=new_tokens, rounds=rounds)
+    result.machine = this_machine()
+    _log(f"on {result.machine['cpu']} ({result.machine['cpus']} CPUs), kernels {result.machine['kernels']}")
     _log(f"loading the transformers baseline ({dtype}, {threads} threads) ...")
     baseline = Baseline(checkpoint, dtype=dtype, threads=threads, prompt=PROMPT, long_prompt=LONG_PROMPT)
     _log("building the model's products at 32 rows (the floor under 32 streams) ...")

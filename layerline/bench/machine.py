@@ -1,0 +1,43 @@
+"""What `layerline bench` ran on: the CPU and which of layerline's kernels served there.
+
+The figures differ from machine to machine (bfloat16 instructions or not, AMX or not), so a run
+records the CPU's model, its logical CPUs, the instruction sets the kernels depend on, and which
+way the stages computed: the compiled decode attention or torch's operations, and bfloat16
+products on AMX tiles (stage_worker/tiles.py) or oneDNN's. The stages decide the same way, in the
+same environment and kernel cache, on the same machine. Reads /proc/cpuinfo where there is one.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")  # what the kernels' speed depends on
+
+
+def this_machine() -> dict[str, object]:
+    """{"cpu": model name, "cpus": logical CPUs, "flags": those of FLAGS it has, "kernels": {...}}."""
+    from layerline.stage_worker.paged_attention import compiled_kernel
+    from layerline.stage_worker.tiles import tile_kernel
+
+    model, flags = _cpuinfo()
+    return {
+        "cpu": model,
+        "cpus": os.cpu_count() or 1,
+        "flags": [flag for flag in FLAGS if flag in flags],
+        "kernels": {
+            "decode_attention": "compiled" if compiled_kernel() is not None else "torch",
+            "bfloat16_products": "amx_tiles" if tile_kernel() is not None else "onednn",
+        },
+    }
+
+
+def _cpuinfo() -> tuple[str, set[str]]:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor(), set()
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+    flags = next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
+    return model, flags

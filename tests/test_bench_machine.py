@@ -1,0 +1,35 @@
+"""`layerline bench` records what it ran on (layerline/bench/machine.py): the CPU as /proc/cpuinfo
+names it, its logical CPUs, the instruction sets the kernels depend on, and which kernels served."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from layerline.bench.machine import FLAGS, this_machine
+from layerline.bench.run import BenchResult
+from layerline.stage_worker.paged_attention import compiled_kernel
+from layerline.stage_worker.tiles import tile_kernel
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_the_bench_records_the_cpu_and_the_kernels_that_served():
+    machine = this_machine()
+    assert machine["cpus"] == os.cpu_count()
+    info = Path("/proc/cpuinfo")
+    if info.exists():
+        lines = info.read_text().splitlines()
+        named = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+        flags = next(set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags"))
+        assert machine["cpu"] == named[0]
+        assert machine["flags"] == [flag for flag in FLAGS if flag in flags]
+    assert machine["kernels"] == {
+        "decode_attention": "compiled" if compiled_kernel() is not None else "torch",
+        "bfloat16_products": "amx_tiles" if tile_kernel() is not None else "onednn",
+    }
+    result = BenchResult(model="m", dtype="bfloat16", threads=2, new_tokens=1, rounds=1, machine=machine)
+    assert asdict(result)["machine"]["kernels"] == machine["kernels"]  # what --json writes
