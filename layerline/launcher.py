@@ -30,6 +30,7 @@ from layerline.client import Client, ClusterStatus, LayerlineError
 from layerline.coordinator.settings import CoordinatorSettings
 from layerline.model_store import cache_root
 from layerline.shared.certs import CertFiles, write_cluster_certs
+from layerline.shared.cpu import cpu_name
 from layerline.shared.model_config import ModelConfig
 from layerline.shared.ports import free_port
 from layerline.shared.settings import format_size
@@ -125,17 +126,9 @@ def measured_step_cost(
 def _step_cost_key(checkpoint: Path, *, threads: int, dtype: str, quantize: str) -> str:
     """What a step's cost depends on: the model's shapes (its config, not its weights), the
     stages' threads, dtype and quantization, and the machine."""
-    machine = [platform.machine(), os.cpu_count(), _cpu_model()]
+    machine = [platform.machine(), os.cpu_count(), cpu_name()]
     parts = [STEP_COST_METHOD, (checkpoint / "config.json").read_text(), threads, dtype, quantize, machine]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
-
-
-def _cpu_model() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
 
 
 def _read_costs(path: Path) -> dict[str, dict[str, Any]]:

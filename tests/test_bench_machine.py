@@ -33,3 +33,16 @@ def test_the_bench_records_the_cpu_and_the_kernels_that_served():
     }
     result = BenchResult(model="m", dtype="bfloat16", threads=2, new_tokens=1, rounds=1, machine=machine)
     assert asdict(result)["machine"]["kernels"] == machine["kernels"]  # what --json writes
+
+
+def test_the_cpu_is_read_from_cpuinfo_and_falls_back_to_the_platform(tmp_path, monkeypatch):
+    import platform
+
+    from layerline.shared import cpu
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Some CPU @ 2.0GHz\nflags\t\t: fpu avx2 amx_tile\n\nprocessor\t: 1\n")
+    monkeypatch.setattr(cpu, "CPUINFO", info)
+    assert cpu.cpu_name() == "Some CPU @ 2.0GHz" and cpu.cpu_flags() == {"fpu", "avx2", "amx_tile"}
+    monkeypatch.setattr(cpu, "CPUINFO", tmp_path / "missing")
+    assert cpu.cpu_name() == (platform.processor() or platform.machine()) and cpu.cpu_flags() == frozenset()

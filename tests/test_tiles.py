@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import os
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
+from layerline.shared.cpu import cpu_flags
 from layerline.shared.model_config import LayerRange
 from layerline.stage_worker import native, tiles
 from layerline.stage_worker.layouts import PackedLinear, can_pack
@@ -23,13 +23,7 @@ from .tiny_models import make_tiny_checkpoint
 pytestmark = pytest.mark.timeout(120)
 
 
-def _cpu_flags() -> set[str]:
-    info = Path("/proc/cpuinfo")
-    text = info.read_text() if info.exists() else ""
-    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
-
-
-AMX_CPU = {"amx_tile", "amx_bf16", "avx512_bf16"} <= _cpu_flags()
+AMX_CPU = {"amx_tile", "amx_bf16", "avx512_bf16"} <= cpu_flags()
 COMPILER = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 

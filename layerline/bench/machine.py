@@ -10,8 +10,8 @@ same environment and kernel cache, on the same machine. Reads /proc/cpuinfo wher
 from __future__ import annotations
 
 import os
-import platform
-from pathlib import Path
+
+from layerline.shared.cpu import cpu_flags, cpu_name
 
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")  # what the kernels' speed depends on
 
@@ -21,9 +21,9 @@ def this_machine() -> dict[str, object]:
     from layerline.stage_worker.paged_attention import compiled_kernel
     from layerline.stage_worker.tiles import tile_kernel
 
-    model, flags = _cpuinfo()
+    flags = cpu_flags()
     return {
-        "cpu": model,
+        "cpu": cpu_name(),
         "cpus": os.cpu_count() or 1,
         "flags": [flag for flag in FLAGS if flag in flags],
         "kernels": {
@@ -31,13 +31,3 @@ def this_machine() -> dict[str, object]:
             "bfloat16_products": "amx_tiles" if tile_kernel() is not None else "onednn",
         },
     }
-
-
-def _cpuinfo() -> tuple[str, set[str]]:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor(), set()
-    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
-    flags = next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
-    return model, flags

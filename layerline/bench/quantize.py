@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from layerline.shared.cpu import cpu_name
 from layerline.shared.model_config import LayerRange, ModelConfig
 from layerline.stage_worker.kv_cache import CacheShape, PagedKVCache
 from layerline.stage_worker.llama import StageModel
@@ -148,13 +149,6 @@ def perplexity(stage: StageModel, ids: list[int]) -> float:
     return math.exp(nll.item())
 
 
-def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
-
-
 def run_quantize_bench(
     checkpoint: Path,
     *,
@@ -188,9 +182,7 @@ def run_quantize_bench(
             start = time.perf_counter()
             Decoder(stage).step({"text": text_ids})
             times.setdefault((scheme, 0), []).append(1000 * (time.perf_counter() - start))
-    result = QuantizeBench(
-        model=checkpoint.name, threads=threads, new_tokens=new_tokens, rounds=rounds, cpu=_cpu_name()
-    )
+    result = QuantizeBench(model=checkpoint.name, threads=threads, new_tokens=new_tokens, rounds=rounds, cpu=cpu_name())
     for scheme, stage in stages.items():
         agree, total = agreement(stage, held)
         result.schemes.append(

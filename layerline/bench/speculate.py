@@ -14,7 +14,6 @@ Knows nothing of the coordinator's internals: it sees the SDK and ClusterStatus.
 
 from __future__ import annotations
 
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from pathlib import Path
 
 from layerline.client import Client
 from layerline.launcher import ClusterPlan, LocalCluster
+from layerline.shared.cpu import cpu_name
 
 _CODE = (
     "def total_price(items, tax_rate):\n"
@@ -92,16 +92,6 @@ class SpeculateFigures:
     quoting: Workload
     ordinary: Workload
     within_budget: dict[str, bool]  # quoting >= 1.8x, ordinary >= 0.95x
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _decode(client: Client, prompt: str, *, tokens: int, speculate: int) -> tuple[list[int], float]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from layerline.shared.cpu import cpu_name
 from layerline.shared.model_config import LayerRange, ModelConfig
 
 from .path import PATH_TOKENS, measure_path, predicted_compute
@@ -102,16 +102,6 @@ def _median_time(run: Callable[[], object], repeats: int) -> float:
         run()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def measure_bandwidth() -> float:
