@@ -75,14 +75,15 @@ def product(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> 
         raise ValueError(f"a bias of {out} contiguous bfloat16 for these tiles, not {list(bias.shape)} {bias.dtype}")
     if bias is not None and bias.device.type != "cpu":
         raise ValueError("a bias on the CPU for these tiles")
-    rows = x.detach().reshape(-1, fan_in).contiguous()  # the result carries no gradient, as oneDNN's
-    y = torch.empty(rows.shape[0], out, dtype=torch.bfloat16)
+    # A step's rows are [rows, in] and contiguous already: a view and a copy cost 2.6 us of a call.
+    rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, fan_in).contiguous()
+    y = torch.empty(rows.shape[0], out, dtype=torch.bfloat16)  # no gradient kept, as oneDNN's
     if rows.shape[0]:
         b = None if bias is None else bias.data_ptr()
         args = (rows.data_ptr(), tiles.data_ptr(), b, rows.shape[0], out, fan_in, torch.get_num_threads(), y.data_ptr())
         if kernel.unchecked["tile_linear"](*args):
             raise ValueError(f"{kernel.path} has no AMX code")
-    return y.view(*x.shape[:-1], out)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], out)
 
 
 def packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
