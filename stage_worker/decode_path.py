@@ -26,6 +26,7 @@ Knows the model's module names and math, nothing of checkpoints, of the engine o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,14 +35,11 @@ from torch import nn
 from .kv_cache import PagedKVCache, StepLayout
 from .llama import DecoderLayer, StageModel
 from .step_kernels import bind
-from .tiles import is_packed, packed_product
+from .tiles import bound_product, is_packed
 
-Packed = tuple[torch.Tensor, torch.Tensor | None]  # the packed weight (oneDNN's or the tiles') and the bias
-
-
-def _product(x: torch.Tensor, weight: Packed) -> torch.Tensor:
-    """x W^T + b, as `PackedLinear.forward` computes it."""
-    return packed_product(x, weight[0], weight[1])
+# x -> x W^T + b by a packed weight (oneDNN's or the tiles') and its bias, as `PackedLinear.forward`
+# computes it, its checks made once (tiles.bound_product).
+Packed = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -89,10 +87,10 @@ class DecodePath:
         # and norm, to the bit: for SmolLM2's 30 layers 61 calls (and adds) instead of 120.
         normed = kernels.norm(x, layers[0].input_norm, eps)
         for i, layer in enumerate(layers):
-            qkv = _product(normed, layer.qkv)  # [D, (h + 2 kvh) d]
-            attended = _product(kernels.attend(qkv, cache.k[layer.layer_id], cache.v[layer.layer_id]), layer.o)
+            qkv = layer.qkv(normed)  # [D, (h + 2 kvh) d]
+            attended = layer.o(kernels.attend(qkv, cache.k[layer.layer_id], cache.v[layer.layer_id]))
             x, normed = kernels.add_norm(x, attended, layer.post_attention_norm, eps)
-            down = _product(kernels.silu(_product(normed, layer.gate_up)), layer.down)  # gate_up [D, 2 w]
+            down = layer.down(kernels.silu(layer.gate_up(normed)))  # gate_up [D, 2 w]
             if i + 1 < len(layers):
                 x, normed = kernels.add_norm(x, down, layers[i + 1].input_norm, eps)
             else:
@@ -127,10 +125,10 @@ def _layer(layer: nn.Module) -> _Layer | None:
 
 
 def _packed(module: nn.Module) -> Packed | None:
-    """A `layouts.PackedLinear`'s packed weight and bias (what it multiplies several rows by); None
-    for any other layer."""
+    """A `layouts.PackedLinear`'s product by its packed weight and bias (what it multiplies several
+    rows by); None for any other layer."""
     weight, bias = getattr(module, "weight_packed", None), getattr(module, "bias", None)
     if not isinstance(weight, torch.Tensor) or not is_packed(weight):
         return None
     assert bias is None or isinstance(bias, torch.Tensor)
-    return weight, bias
+    return bound_product(weight, bias)

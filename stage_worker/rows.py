@@ -32,7 +32,7 @@ from .fused import norm_kernel, silu_kernel
 from .kv_cache import PagedKVCache, StepLayout
 from .llama import DecoderLayer, StageModel, decode_attention, rms_norm
 from .step_kernels import bind
-from .tiles import is_packed, packed_product
+from .tiles import bound_product, is_packed, packed_product
 
 # How a single row multiplies a linear layer: (w, b) with y = (x @ w).view(1, -1) + b for x [1, in],
 # or, where w is a packed weight (oneDNN's or the AMX tiles', `tiles.is_packed`), x W^T + b as the
@@ -40,6 +40,24 @@ from .tiles import is_packed, packed_product
 # A linear layer that offers `row_weight(threads) -> RowWeight | None` (the CPU layouts of
 # layouts.py do) can be on the path.
 RowWeight = tuple[torch.Tensor, torch.Tensor | None]
+
+
+@dataclass(frozen=True)
+class RowMultiply:
+    """`row_product` and `row_add_product` by one `RowWeight`, what holds for every call checked
+    once, when a plan is made (a packed weight's product bound: tiles.bound_product)."""
+
+    product: Callable[[torch.Tensor], torch.Tensor]  # x -> x W^T + b
+    add_product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (residual, x) -> residual + x W^T + b
+
+    @classmethod
+    def of(cls, weight: RowWeight) -> RowMultiply:
+        w, b = weight
+        if is_packed(w):
+            product = bound_product(w, b)
+            return cls(product, lambda residual, x: product(x).add_(residual))
+        return cls(lambda x: row_product(x, weight), lambda residual, x: row_add_product(residual, x, weight))
+
 
 silu = torch._C._nn.silu  # F.silu's kernel, without its Python wrapper
 
@@ -138,16 +156,16 @@ class _RowLayer:
     layer_id: int
     input_norm: torch.Tensor
     post_attention_norm: torch.Tensor
-    qkv: RowWeight
-    o: RowWeight
-    gate_up: RowWeight
-    down: RowWeight
+    qkv: RowMultiply
+    o: RowMultiply
+    gate_up: RowMultiply
+    down: RowMultiply
 
 
 @dataclass(frozen=True)
 class _RowPlan:
     layers: tuple[_RowLayer, ...]
-    head: RowWeight | None  # the LM head's row weight on the last stage
+    head: RowMultiply | None  # the LM head's row weight on the last stage
     norm: torch.Tensor | None  # the final norm's weight on the last stage
     norm_dtype: torch.dtype | None  # of every layer's norm weights, where they share one
 
@@ -178,7 +196,8 @@ class RowPath:
         norm = model.norm.weight.detach() if model.norm is not None else None
         planned = tuple(layer for layer in layers if layer is not None)
         dtypes = {w.dtype for layer in planned for w in (layer.input_norm, layer.post_attention_norm)}
-        return _RowPlan(planned, head, norm, dtypes.pop() if len(dtypes) == 1 else None)
+        multiply = None if head is None else RowMultiply.of(head)
+        return _RowPlan(planned, multiply, norm, dtypes.pop() if len(dtypes) == 1 else None)
 
     def __call__(
         self,
@@ -214,9 +233,9 @@ class RowPath:
         # cold, and these are most of a layer's calls (a step in bfloat16 20.4-20.6 against
         # 21.0-21.4 ms, float32 25.0 against 26.0; one process, two threads, Intel Xeon with AMX).
         for layer in plan.layers:
-            qkv = row_product(norm(x, layer.input_norm, eps), layer.qkv)  # [1, (h + 2 kvh) d]
+            qkv = layer.qkv.product(norm(x, layer.input_norm, eps))  # [1, (h + 2 kvh) d]
             if kernels is not None:
-                x = row_add_product(x, kernels.attend(qkv, cache.k[layer.layer_id], cache.v[layer.layer_id]), layer.o)
+                x = layer.o.add_product(x, kernels.attend(qkv, cache.k[layer.layer_id], cache.v[layer.layer_id]))
             else:
                 assert rotate is not None
                 qkv = qkv.view(h + 2 * kvh, d)
@@ -225,13 +244,13 @@ class RowPath:
                 cache.v[layer.layer_id][new].copy_(qkv[h + kvh :])
                 keys = cache.k_heads[layer.layer_id][:, :, slots]  # [1, kvh, L, d], a view
                 values = cache.v_heads[layer.layer_id][:, :, slots]
-                x = row_add_product(x, decode_attention(qk[:h].view(1, h, d), keys, values, mask=None), layer.o)
-            gate_up = row_product(norm(x, layer.post_attention_norm, eps), layer.gate_up)
-            x = row_add_product(x, silu_mul(gate_up), layer.down)
+                x = layer.o.add_product(x, decode_attention(qk[:h].view(1, h, d), keys, values, mask=None))
+            gate_up = layer.gate_up.product(norm(x, layer.post_attention_norm, eps))
+            x = layer.down.add_product(x, silu_mul(gate_up))
         if plan.head is None:
             return x
         assert plan.norm is not None  # the last stage holds both
-        logits = row_product(row_norm(x, plan.norm, eps), plan.head)  # [1, vocab padded]
+        logits = plan.head.product(row_norm(x, plan.norm, eps))  # [1, vocab padded]
         return logits[:, : model.config.vocab_size].float()
 
 
@@ -247,10 +266,7 @@ def _row_layer(layer: nn.Module, threads: int) -> _RowLayer | None:
         layer.layer_id,
         layer.input_layernorm.weight.detach(),
         layer.post_attention_layernorm.weight.detach(),
-        qkv,
-        o,
-        gate_up,
-        down,
+        *(RowMultiply.of(w) for w in (qkv, o, gate_up, down)),
     )
 
 

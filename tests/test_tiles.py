@@ -95,6 +95,7 @@ def test_up_to_32_rows_the_products_are_onednns_to_the_bit(served, out, fan_in, 
         x = torch.randn(rows, fan_in, generator=g).to(torch.bfloat16)
         assert torch.equal(tiles.product(x, t, b), _onednn(x, w, b)), rows
         assert torch.equal(tiles.packed_product(x, t, b), _onednn(x, w, b)), rows
+        assert torch.equal(tiles.bound_product(t, b)(x), _onednn(x, w, b)), rows
 
 
 def test_past_32_rows_each_row_is_the_sum_it_is_alone_and_close_to_the_exact_product(served):
@@ -132,6 +133,27 @@ def test_the_product_refuses_rows_and_biases_that_do_not_fit(served):
         tiles.product(torch.zeros(2, 96, dtype=torch.bfloat16), t[:3], None)  # an odd count of column blocks
     rows = torch.ones(2, 96, dtype=torch.bfloat16, requires_grad=True)  # computed, as oneDNN's: no gradient kept
     assert torch.equal(tiles.product(rows, t, None), torch.zeros(2, 64, dtype=torch.bfloat16))
+
+
+def test_a_bound_product_checks_its_weight_once_and_its_rows_at_every_call(served):
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(64, 96, generator=g).to(torch.bfloat16)
+    b = torch.randn(64, generator=g).to(torch.bfloat16)
+    t = tiles.layout(w)
+    onednn = tiles.bound_product(torch.ops.mkldnn._reorder_linear_weight(w, None), b)
+    by_tiles = tiles.bound_product(t, b)
+    x = torch.randn(3, 5, 96, generator=g).to(torch.bfloat16)
+    assert torch.equal(by_tiles(x), onednn(x)) and by_tiles(x).shape == (3, 5, 64)  # rows in three dimensions
+    columns = torch.randn(96, 4, generator=g).to(torch.bfloat16).t()  # [4, 96], not contiguous
+    assert torch.equal(by_tiles(columns), _onednn(columns.contiguous(), w, b))
+    with pytest.raises(ValueError, match="in 96, bfloat16"):
+        by_tiles(torch.zeros(2, 96))
+    with pytest.raises(ValueError, match="in 96, bfloat16"):
+        by_tiles(torch.zeros(2, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="a bias of 64"):
+        tiles.bound_product(t, torch.zeros(32, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="is not packed"):
+        tiles.bound_product(w, b)
 
 
 PROMPTS = {"a": [1, 17, 42, 99, 3, 5, 8, 13, 21, 34, 55, 89, 144, 7, 9], "b": [1, 7, 7, 200], "c": [9, 4, 2]}
