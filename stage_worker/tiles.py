@@ -76,26 +76,10 @@ def _checked(tiles: torch.Tensor, bias: torch.Tensor | None) -> native.PagedAtte
     return kernel
 
 
-def _call(fn: Callable[..., int], rows: torch.Tensor, w: int, b: int | None, out: int, fan_in: int) -> torch.Tensor:
-    """The kernel's product of contiguous bfloat16 CPU rows [n, fan_in]: [n, out]."""
-    y = torch.empty(rows.shape[0], out, dtype=torch.bfloat16)  # no gradient kept, as oneDNN's
-    if rows.shape[0] and fn(rows.data_ptr(), w, b, rows.shape[0], out, fan_in, torch.get_num_threads(), y.data_ptr()):
-        raise ValueError("the tile kernel's library has no AMX code")
-    return y
-
-
 def product(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x W^T + b through the kernel, for x [..., in] and W's `tiles`: [..., out], bfloat16. The
     kernel must serve (`tile_kernel()`)."""
-    kernel = _checked(tiles, bias)
-    out, fan_in = tiles.shape[0] * BLOCK_OUT, tiles.shape[1] * BLOCK_IN
-    if x.dim() == 0 or x.shape[-1] != fan_in or x.dtype != torch.bfloat16 or x.device.type != "cpu":
-        raise ValueError(f"rows {list(x.shape)} {x.dtype} for tiles {list(tiles.shape)}: in {fan_in}, bfloat16, CPU")
-    # A step's rows are [rows, in] and contiguous already: a view and a copy cost 2.6 us of a call.
-    rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, fan_in).contiguous()
-    b = None if bias is None else bias.data_ptr()
-    y = _call(kernel.unchecked["tile_linear"], rows, tiles.data_ptr(), b, out, fan_in)
-    return y if x.dim() == 2 else y.view(*x.shape[:-1], out)
+    return _BoundTiles(tiles, bias)(x)
 
 
 class _BoundTiles:
@@ -108,14 +92,19 @@ class _BoundTiles:
         self._out, self._in = tiles.shape[0] * BLOCK_OUT, tiles.shape[1] * BLOCK_IN
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[1] != self._in or not x.is_cpu:
-            return product(x, self._tiles, self._bias)  # reshapes, or says what does not fit
-        rows = x if x.is_contiguous() else x.contiguous()
-        n, out = rows.shape[0], self._out
-        y = torch.empty(n, out, dtype=torch.bfloat16)
-        if n and self._fn(rows.data_ptr(), self._w, self._b, n, out, self._in, torch.get_num_threads(), y.data_ptr()):
-            raise ValueError("the tile kernel's library has no AMX code")
-        return y
+        # A step's rows are [rows, in] and contiguous already: as they are, a call checks four things.
+        if x.dim() == 2 and x.dtype == torch.bfloat16 and x.shape[1] == self._in and x.is_cpu:
+            rows = x if x.is_contiguous() else x.contiguous()
+            n, out = rows.shape[0], self._out
+            y = torch.empty(n, out, dtype=torch.bfloat16)  # no gradient kept, as oneDNN's
+            threads = torch.get_num_threads()
+            if n and self._fn(rows.data_ptr(), self._w, self._b, n, out, self._in, threads, y.data_ptr()):
+                raise ValueError("the tile kernel's library has no AMX code")
+            return y
+        if x.dim() == 0 or x.shape[-1] != self._in or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+            shape = list(self._tiles.shape)
+            raise ValueError(f"rows {list(x.shape)} {x.dtype} for tiles {shape}: in {self._in}, bfloat16, CPU")
+        return self(x.reshape(-1, self._in)).view(*x.shape[:-1], self._out)
 
 
 def bound_product(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
