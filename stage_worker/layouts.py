@@ -250,7 +250,7 @@ class PackedLinear(nn.Module):
 
     def row_weight(self, threads: int) -> RowWeight:
         """The plain layer's, when it is kept; else the packed weight, which a single row
-        multiplies as the modules do (`rows.row_product`)."""
+        multiplies as the modules do (`rows.RowMultiply`)."""
         if self.plain is not None:
             return self.plain.row_weight(threads)
         weight, bias = self.weight_packed, self.bias

@@ -32,11 +32,11 @@ from .fused import norm_kernel, silu_kernel
 from .kv_cache import PagedKVCache, StepLayout
 from .llama import DecoderLayer, StageModel, decode_attention, rms_norm
 from .step_kernels import bind
-from .tiles import bound_product, is_packed, packed_product
+from .tiles import bound_product, is_packed
 
-# How a single row multiplies a linear layer: (w, b) with y = (x @ w).view(1, -1) + b for x [1, in],
-# or, where w is a packed weight (oneDNN's or the AMX tiles', `tiles.is_packed`), x W^T + b as the
-# modules multiply it (see `row_product`).
+# How a single row multiplies a linear layer: (w, b) with y = (x @ w).view(1, -1) + b for x [1, in]
+# (`row_product`), or, where w is a packed weight (oneDNN's or the AMX tiles', `tiles.is_packed`),
+# x W^T + b as the modules multiply it (`RowMultiply` binds it: tiles.bound_product).
 # A linear layer that offers `row_weight(threads) -> RowWeight | None` (the CPU layouts of
 # layouts.py do) can be on the path.
 RowWeight = tuple[torch.Tensor, torch.Tensor | None]
@@ -44,8 +44,9 @@ RowWeight = tuple[torch.Tensor, torch.Tensor | None]
 
 @dataclass(frozen=True)
 class RowMultiply:
-    """`row_product` and `row_add_product` by one `RowWeight`, what holds for every call checked
-    once, when a plan is made (a packed weight's product bound: tiles.bound_product)."""
+    """A single row's product by one `RowWeight` and that product added onto a residual, decided
+    once, when a plan is made: a plain weight's through `row_product` and `row_add_product`, a
+    packed one's bound with its checks made (tiles.bound_product)."""
 
     product: Callable[[torch.Tensor], torch.Tensor]  # x -> x W^T + b
     add_product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (residual, x) -> residual + x W^T + b
@@ -129,7 +130,7 @@ def row_add_product(residual: torch.Tensor, x: torch.Tensor, weight: RowWeight) 
     """residual + x W^T for single rows residual [1, out], x [1, in], in one kernel where the
     weight has no bias (the product adds onto the residual), else as `residual + row_product`."""
     w, b = weight
-    if b is not None or is_packed(w):
+    if b is not None:
         return row_product(x, weight).add_(residual)
     if w.dim() == 2:  # [in, out]
         return torch.addmm(residual, x, w)
@@ -138,12 +139,10 @@ def row_add_product(residual: torch.Tensor, x: torch.Tensor, weight: RowWeight) 
 
 
 def row_product(x: torch.Tensor, weight: RowWeight) -> torch.Tensor:
-    """x W^T + b for a single row x [1, in]: [1, out]. The weight may be [in, out], output
-    blocks [blocks, in, out / blocks], whose batched product is [1, out] in memory, or a packed
-    weight (layouts.PackedLinear: oneDNN's or the tiles')."""
+    """x W^T + b for a single row x [1, in]: [1, out]. The weight is plain: [in, out], or output
+    blocks [blocks, in, out / blocks], whose batched product is [1, out] in memory (a packed one
+    goes through `RowMultiply`)."""
     w, b = weight
-    if is_packed(w):
-        return packed_product(x, w, b)
     y = torch.matmul(x, w).view(1, -1)
     return y if b is None else y + b
 

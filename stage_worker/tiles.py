@@ -83,12 +83,13 @@ def product(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 class _BoundTiles:
-    """`product` by one tile layout and bias, checked once: a call checks only its rows."""
+    """`product` by one tile layout and bias, checked once: a call checks only its rows. It holds
+    the tensors and reads their addresses at each call (a tensor's storage can be swapped)."""
 
     def __init__(self, tiles: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self._fn = _checked(tiles, bias).unchecked["tile_linear"]
-        self._tiles, self._bias = tiles, bias  # held: the C reads their memory
-        self._w, self._b = tiles.data_ptr(), None if bias is None else bias.data_ptr()
+        kernel = _checked(tiles, bias)
+        self._fn, self._path = kernel.unchecked["tile_linear"], kernel.path
+        self._tiles, self._bias = tiles, bias
         self._out, self._in = tiles.shape[0] * BLOCK_OUT, tiles.shape[1] * BLOCK_IN
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -97,9 +98,9 @@ class _BoundTiles:
             rows = x if x.is_contiguous() else x.contiguous()
             n, out = rows.shape[0], self._out
             y = torch.empty(n, out, dtype=torch.bfloat16)  # no gradient kept, as oneDNN's
-            threads = torch.get_num_threads()
-            if n and self._fn(rows.data_ptr(), self._w, self._b, n, out, self._in, threads, y.data_ptr()):
-                raise ValueError("the tile kernel's library has no AMX code")
+            w, b = self._tiles.data_ptr(), None if self._bias is None else self._bias.data_ptr()
+            if n and self._fn(rows.data_ptr(), w, b, n, out, self._in, torch.get_num_threads(), y.data_ptr()):
+                raise ValueError(f"{self._path} has no AMX code")
             return y
         if x.dim() == 0 or x.shape[-1] != self._in or x.dtype != torch.bfloat16 or x.device.type != "cpu":
             shape = list(self._tiles.shape)
@@ -121,9 +122,7 @@ def bound_product(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[
 
 def packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x W^T + b for a packed weight: the tiles' (`is_tiled`) or oneDNN's."""
-    if is_tiled(weight):
-        return product(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return bound_product(weight, bias)(x)
 
 
 def is_packed(weight: torch.Tensor) -> bool:

@@ -253,7 +253,7 @@ def test_one_decoding_row_on_plain_tensors_equals_the_modules_and_transformers(t
 def test_one_decoding_row_runs_off_the_modules_on_packed_weights_too(tmp_path, dtype, layout):
     """A stage whose linear layers keep oneDNN's packed weight alone (float32 under `packed`, and
     bfloat16 on a CPU with bfloat16 instructions) still takes a lone token off the modules, through
-    the packed products (`rows.row_product`): the logits the modules give for the same step, and
+    the packed products (`rows.RowMultiply`): the logits the modules give for the same step, and
     the same greedy tokens, on 2 threads."""
     from dataclasses import replace
 
