@@ -164,7 +164,7 @@ class _RowLayer:
 @dataclass(frozen=True)
 class _RowPlan:
     layers: tuple[_RowLayer, ...]
-    head: RowMultiply | None  # the LM head's row weight on the last stage
+    head: RowMultiply | None  # how a single row multiplies the LM head, on the last stage
     norm: torch.Tensor | None  # the final norm's weight on the last stage
     norm_dtype: torch.dtype | None  # of every layer's norm weights, where they share one
 

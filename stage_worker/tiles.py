@@ -13,7 +13,8 @@ tiles by Linux, and its products oneDNN's to the bit on random rows (1 to 32 row
 a bias). Past 32 rows oneDNN sums in another order, so there the numbers are this kernel's own
 (each output the same sum in the same order at any row count). `layout(weight)` lays a [out, in]
 weight out as the kernel reads it, once, at load; `packed_product` multiplies rows by a packed
-weight, the tiles' or oneDNN's.
+weight, the tiles' or oneDNN's, and `bound_product` makes that product for one weight and bias,
+checked once, for a plan's every step (decode_path.py, rows.py).
 
 Knows the kernel's layout and arguments; nothing of models, steps or the network.
 """

@@ -74,7 +74,7 @@ SMALL_LAYERS = 12  # 170 MB of float32: more than the caches
 BANDWIDTH_ELEMENTS = 1 << 28  # 1 GiB of float32
 ALLREDUCE_ROUNDS = 300
 # Times of a token's all-reduce and a chunk's, taken in turn; the medians count. With one pair the
-# chunk's time beyond the token's came out at 0.85, 5.6 and 2.6 GB/s in three calibrations (tp 2).
+# rate beyond a token's came out at 0.85, 5.6 and 2.6 GB/s in three calibrations (tp 2).
 ALLREDUCE_PAIRS = 3
 # A prompt chunk's hidden states, all-reduced as a tensor-parallel prefill does: 64 tokens of 4096
 # float32 (1 MiB), between 8 times a decode step's compute (a prompt chunk's share of a layer: the
