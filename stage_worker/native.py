@@ -46,7 +46,7 @@ from layerline.model_store.store import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).parent / "kernels" / name for name in ("paged_attention.c", "tiles.c"))
+SOURCES = tuple(Path(__file__).parent / "kernels" / name for name in ("paged_attention.c", "tiles.c", "rows.c"))
 ENV = "LAYERLINE_KERNELS"  # "auto" (the default): compile and use the kernel; "torch": torch's path only
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 FLAG_SETS = (("-march=native", *FLAGS), FLAGS)  # tried in order
@@ -66,6 +66,8 @@ SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "silu_mul": ([_P, _INT, _I, _I, _INT, _P], None),
     "tiles_ready": ([], _INT),
     "tile_linear": ([_P, _P, _P, _I, _I, _I, _INT, _P], _INT),
+    "row_columns": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _INT, _P], None),
+    "row_rows": ([_P, _P, _P, _P, _I, _I, _INT, _P], None),
 }
 
 

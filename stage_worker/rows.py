@@ -31,6 +31,7 @@ from torch import nn
 from .fused import norm_kernel, silu_kernel
 from .kv_cache import PagedKVCache, StepLayout
 from .llama import DecoderLayer, StageModel, decode_attention, rms_norm
+from .row_kernel import bind as bind_row_kernel
 from .step_kernels import bind
 from .tiles import bound_product, is_packed
 
@@ -45,8 +46,9 @@ RowWeight = tuple[torch.Tensor, torch.Tensor | None]
 @dataclass(frozen=True)
 class RowMultiply:
     """A single row's product by one `RowWeight` and that product added onto a residual, decided
-    once, when a plan is made: a plain weight's through `row_product` and `row_add_product`, a
-    packed one's bound with its checks made (tiles.bound_product)."""
+    once, when a plan is made: a packed weight's bound with its checks made (tiles.bound_product);
+    a plain float32 one's through the compiled kernel where it serves (row_kernel.py: on CPUs
+    where MKL's products of a row are slow), else through `row_product` and `row_add_product`."""
 
     product: Callable[[torch.Tensor], torch.Tensor]  # x -> x W^T + b
     add_product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (residual, x) -> residual + x W^T + b
@@ -57,6 +59,9 @@ class RowMultiply:
         if is_packed(w):
             product = bound_product(w, b)
             return cls(product, lambda residual, x: product(x).add_(residual))
+        kernel = bind_row_kernel(w, b)
+        if kernel is not None:
+            return cls(*kernel)
         return cls(lambda x: row_product(x, weight), lambda residual, x: row_add_product(residual, x, weight))
 
 

@@ -206,14 +206,24 @@ def test_unknown_weight_layout_is_refused(tmp_path):
         load_stage(tmp_path, LayerRange(0, 4), weight_layout="dense")
 
 
+@pytest.mark.parametrize("row_products", ["kernel", "torch"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_one_decoding_row_on_plain_tensors_equals_the_modules_and_transformers(tiny, threads):
+def test_one_decoding_row_on_plain_tensors_equals_the_modules_and_transformers(
+    tiny, threads, row_products, monkeypatch, request
+):
     """A step of one token of one sequence whose KV is one run of slots skips the modules
     (`StageModel._one_row`, with the weights in output blocks on 2 threads): the same logits as
-    the modules give for the same step, on a first, a last and a whole stage, and transformers'."""
+    the modules give for the same step, on a first, a last and a whole stage, and transformers';
+    with the row products of the compiled kernel (row_kernel.py, where it compiles) and of torch."""
     from dataclasses import replace
 
+    from layerline.stage_worker import row_kernel
+
     from .pipeline import cache_for
+
+    monkeypatch.setenv(row_kernel.ENV, row_products)
+    row_kernel.row_kernel.cache_clear()
+    request.addfinalizer(row_kernel.row_kernel.cache_clear)
 
     _, path, hf = tiny
     whole = [load_stage(path, LayerRange(0, 4))]
@@ -245,7 +255,11 @@ def test_one_decoding_row_on_plain_tensors_equals_the_modules_and_transformers(t
             tokens.append(new[0])
             seen.append(new[0])
         if stages[0].config.sliding_window is None:  # a window past its length takes the general path
-            assert stages[0].row_path is not None and stages[0].row_path.plan(threads) is not None
+            assert stages[0].row_path is not None
+            plan = stages[0].row_path.plan(threads)
+            assert plan is not None
+            bound = getattr(plan.layers[0].gate_up.product, "__self__", None)
+            assert isinstance(bound, row_kernel._Bound) == (row_kernel.row_kernel() is not None)
         assert seen == hf_greedy(hf, ids, 6)
 
 

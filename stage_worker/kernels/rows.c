@@ -1,0 +1,112 @@
+/* float32 products of a single row: y = x W^T + b (+ a residual), streaming W from memory once.
+ *
+ * Compiled with kernels/paged_attention.c into one library (native.py) and called through ctypes
+ * from stage_worker/row_kernel.py, on the stage's compute thread and the OpenMP team torch's
+ * kernels use. A lone stream's decode step multiplies every weight of the model by one row, so
+ * its products are bound by how fast the cores read the weights; this code reads each weight
+ * straight through, in the order it lies in memory, and does nothing else on the way.
+ *
+ * Two layouts of W, as the stage keeps its weights (layouts.py):
+ *  - columns: W^T's element (i, j) at w[(j / block) * block_stride + i * row_stride + j % block],
+ *    which covers a [in, out] matrix (one block), its column blocks viewed as [blocks, in, block],
+ *    and the LM head's contiguous column blocks. Each thread takes an even share of the output's
+ *    16-column vectors and, block by block, streams the rows of its columns eight at a time,
+ *    summing into its share of y (kept in the first-level cache), then adds the bias and residual.
+ *  - rows: W [out, in], row j the weights of output j. Each thread takes an even share of the
+ *    outputs, four at a time, each a dot product of a row with x.
+ *
+ * The sums' order is this code's own, not MKL's: the results agree with torch's to rounding
+ * (row_kernel.py checks that before it trusts this build). The vectors are gcc's vector
+ * extensions, 16 floats: one AVX-512 register, or two AVX2 ones, as `-march=native` allows.
+ *
+ * The caller checks every shape and address: for columns, block a multiple of 16 dividing out;
+ * bias and residual [out] or NULL; y [out], not overlapping any input.
+ */
+#include <stdint.h>
+#include <omp.h>
+
+typedef float v16 __attribute__((vector_size(64), aligned(4))); /* 16 floats, loads at any address */
+
+static inline v16 splat(float a) {
+    v16 v = {0};
+    return v + a;
+}
+
+/* y[lo, hi) += the rows of block columns [lo, hi) (width a multiple of 16) times x. */
+static void stream_columns(const float *restrict x, const float *restrict w, int64_t in, int64_t row_stride,
+                           int64_t width, float *restrict y) {
+    for (int64_t k = 0; k < width; k += 16) *(v16 *)(y + k) = (v16){0};
+    int64_t i = 0;
+    for (; i + 8 <= in; i += 8) {
+        const float *r = w + i * row_stride;
+        const v16 x0 = splat(x[i]), x1 = splat(x[i + 1]), x2 = splat(x[i + 2]), x3 = splat(x[i + 3]);
+        const v16 x4 = splat(x[i + 4]), x5 = splat(x[i + 5]), x6 = splat(x[i + 6]), x7 = splat(x[i + 7]);
+        const int64_t s = row_stride;
+        for (int64_t k = 0; k < width; k += 16) {
+            const float *c = r + k;
+            *(v16 *)(y + k) += x0 * *(const v16 *)c + x1 * *(const v16 *)(c + s) + x2 * *(const v16 *)(c + 2 * s) +
+                               x3 * *(const v16 *)(c + 3 * s) + x4 * *(const v16 *)(c + 4 * s) +
+                               x5 * *(const v16 *)(c + 5 * s) + x6 * *(const v16 *)(c + 6 * s) +
+                               x7 * *(const v16 *)(c + 7 * s);
+        }
+    }
+    for (; i < in; ++i) {
+        const float *r = w + i * row_stride;
+        const v16 xi = splat(x[i]);
+        for (int64_t k = 0; k < width; k += 16) *(v16 *)(y + k) += xi * *(const v16 *)(r + k);
+    }
+}
+
+/* y = x W^T (+ bias) (+ residual), W in the columns layout above; x [in], y [out]. */
+void layerline_row_columns(const float *restrict x, const float *restrict w, const float *restrict bias,
+                           const float *restrict residual, int64_t in, int64_t out, int64_t block,
+                           int64_t block_stride, int64_t row_stride, int threads, float *restrict y) {
+    const int64_t vectors = out / 16;
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+        const int64_t first = vectors * t / n * 16, last = vectors * (t + 1) / n * 16;
+        for (int64_t j = first; j < last;) {
+            const int64_t b = j / block, end = (b + 1) * block < last ? (b + 1) * block : last;
+            stream_columns(x, w + b * block_stride + j % block, in, row_stride, end - j, y + j);
+            j = end;
+        }
+        for (int64_t j = first; j < last; ++j) {
+            if (bias) y[j] += bias[j];
+            if (residual) y[j] += residual[j];
+        }
+    }
+}
+
+/* The sum of a vector's 16 floats. */
+static inline float total(v16 a) {
+    float s = 0;
+    for (int k = 0; k < 16; ++k) s += a[k];
+    return s;
+}
+
+/* y = x W^T (+ bias) (+ residual), W [out, in] row by row; x [in], y [out]. */
+void layerline_row_rows(const float *restrict x, const float *restrict w, const float *restrict bias,
+                        const float *restrict residual, int64_t in, int64_t out, int threads, float *restrict y) {
+    const int64_t groups = (out + 3) / 4, whole = in / 16 * 16;
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+        const int64_t first = groups * t / n * 4, last = groups * (t + 1) / n * 4 < out ? groups * (t + 1) / n * 4 : out;
+        for (int64_t j = first; j < last; j += 4) {
+            const int rows = last - j < 4 ? (int)(last - j) : 4;
+            v16 a[4] = {{0}};
+            for (int64_t i = 0; i < whole; i += 16) {
+                const v16 xv = *(const v16 *)(x + i);
+                for (int r = 0; r < rows; ++r) a[r] += xv * *(const v16 *)(w + (j + r) * in + i);
+            }
+            for (int r = 0; r < rows; ++r) {
+                float s = total(a[r]);
+                for (int64_t i = whole; i < in; ++i) s += x[i] * w[(j + r) * in + i];
+                if (bias) s += bias[j + r];
+                if (residual) s += residual[j + r];
+                y[j + r] = s;
+            }
+        }
+    }
+}

@@ -1,0 +1,120 @@
+"""The compiled float32 products of a single row (row_kernel.py, kernels/rows.c): torch's numbers
+to rounding on every weight layout a stage makes, refusals where it does not take a weight, and
+the rule that picks it (LAYERLINE_ROW_PRODUCTS, the CPU's vendor)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from layerline.stage_worker import row_kernel
+from layerline.stage_worker.layouts import Linear, LMHead, StepThreads, TransposedLinear
+from layerline.stage_worker.rows import RowMultiply
+
+
+@pytest.fixture
+def products(monkeypatch):
+    """The kernel, chosen wherever it compiles (`kernel`), for this test only."""
+    monkeypatch.setenv(row_kernel.ENV, "kernel")
+    row_kernel.row_kernel.cache_clear()
+    kernel = row_kernel.row_kernel()
+    if kernel is None:
+        pytest.skip("no compiled kernel here (no C compiler, or LAYERLINE_KERNELS=torch)")
+    yield kernel
+    row_kernel.row_kernel.cache_clear()
+
+
+def _expected(x, weight, bias, residual=None):
+    y = x @ weight.t() + (0 if bias is None else bias)
+    return y if residual is None else y + residual
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(("fan_in", "out", "bias"), [(576, 960, False), (37, 96, True), (1536, 576, False)])
+def test_the_layers_row_weights_give_torchs_products(products, threads, fan_in, out, bias):
+    """Each linear layout's `row_weight(threads)` (a [in, out] matrix, its column blocks, a
+    [out, in] matrix or its row blocks) multiplied through the kernel on `threads` threads: torch's
+    x W^T + b, and with a residual added, to float32 rounding."""
+    torch.set_num_threads(threads)
+    generator = torch.Generator().manual_seed(fan_in + out)
+    weight = torch.randn(out, fan_in, generator=generator)
+    b = torch.randn(out, generator=generator) if bias else None
+    x, residual = torch.randn(1, fan_in, generator=generator), torch.randn(1, out, generator=generator)
+    loaded = nn.Linear(fan_in, out, bias=bias)
+    with torch.no_grad():
+        loaded.weight.copy_(weight)
+        if b is not None:
+            loaded.bias.copy_(b)
+    threads_of = StepThreads()
+    for module in (TransposedLinear.of(loaded, step_threads=threads_of), Linear.of(loaded, step_threads=threads_of)):
+        w, module_bias = module.row_weight(threads)
+        bound = row_kernel.bind(w, module_bias)
+        assert bound is not None, (type(module).__name__, w.shape, w.stride())
+        product, add_product = bound
+        torch.testing.assert_close(product(x), _expected(x, weight, b), atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(add_product(residual, x), _expected(x, weight, b, residual), atol=1e-4, rtol=1e-5)
+        assert isinstance(RowMultiply.of((w, module_bias)).product(x), torch.Tensor)
+
+
+@pytest.mark.parametrize("vocab", [4096, 4104])
+def test_the_lm_heads_blocks_give_torchs_logits_in_vocabulary_order(products, vocab):
+    """The head's column blocks (`HEAD_BLOCKS`): 8 of 512 columns; 8 of 513, not whole vectors of
+    16, which the kernel leaves to torch."""
+    generator = torch.Generator().manual_seed(vocab)
+    loaded = nn.Linear(64, vocab, bias=False)
+    with torch.no_grad():
+        loaded.weight.copy_(torch.randn(vocab, 64, generator=generator))
+    head = LMHead.of(loaded)
+    x = torch.randn(1, 64, generator=generator)
+    bound = row_kernel.bind(*head.row_weight(2))
+    assert head.weight_blocks.shape[:1] == (8,)
+    if vocab == 4104:
+        assert bound is None
+        bound = RowMultiply.of(head.row_weight(2)).product, None
+    assert bound is not None
+    torch.testing.assert_close(bound[0](x), x @ loaded.weight.t(), atol=1e-4, rtol=1e-5)
+
+
+def test_weights_the_kernel_does_not_take_keep_torchs_product(products):
+    """bfloat16, a column block not a multiple of 16 wide, a weight torch keeps a gradient of, a
+    bias of another length: no binding (`bind` None), and RowMultiply multiplies them through torch."""
+    w = torch.randn(32, 48)
+    assert row_kernel.bind(w.to(torch.bfloat16), None) is None
+    assert row_kernel.bind(torch.randn(32, 40), None) is None  # [in, out] with 40 columns
+    assert row_kernel.bind(w.requires_grad_(), None) is None
+    assert row_kernel.bind(torch.randn(32, 48), torch.randn(47)) is None
+    x, narrow = torch.randn(1, 32), torch.randn(32, 40)
+    torch.testing.assert_close(RowMultiply.of((narrow, None)).product(x), x @ narrow)
+
+
+def test_a_bad_row_is_refused_naming_the_width(products):
+    product, _ = row_kernel.bind(torch.randn(32, 48), None)
+    with pytest.raises(ValueError, match="a row of 32 float32"):
+        product(torch.randn(1, 31))
+    with pytest.raises(ValueError, match="a row of 32 float32"):
+        product(torch.randn(2, 32))
+
+
+def test_the_rule_picks_torch_on_intel_and_where_told(monkeypatch, tmp_path):
+    """auto: the kernel unless the CPU is Intel's (MKL's fast products run there); torch: never; a
+    misspelt choice is a ValueError naming the variable."""
+    intel, amd = tmp_path / "intel", tmp_path / "amd"
+    intel.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\n\n")
+    amd.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\n\n")
+    try:
+        monkeypatch.setattr(row_kernel, "CPUINFO", str(intel))
+        monkeypatch.setenv(row_kernel.ENV, "auto")
+        row_kernel.row_kernel.cache_clear()
+        assert row_kernel.intel_cpu() and row_kernel.row_kernel() is None
+        assert row_kernel.bind(torch.randn(32, 48), None) is None
+        monkeypatch.setattr(row_kernel, "CPUINFO", str(amd))
+        monkeypatch.setenv(row_kernel.ENV, "torch")
+        row_kernel.row_kernel.cache_clear()
+        assert not row_kernel.intel_cpu() and row_kernel.row_kernel() is None
+        monkeypatch.setenv(row_kernel.ENV, "fast")
+        row_kernel.row_kernel.cache_clear()
+        with pytest.raises(ValueError, match="LAYERLINE_ROW_PRODUCTS='fast'"):
+            row_kernel.row_kernel()
+    finally:
+        row_kernel.row_kernel.cache_clear()
