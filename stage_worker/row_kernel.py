@@ -11,7 +11,9 @@ against the weights' bytes at the read bandwidth a sum gets): qkv 2.2-2.4 -> 1.0
 On an Intel Xeon MKL reads them at memory speed already (a kernel like this one was no faster
 there: 23.0 against 21.5-22.5 ms, docs/performance.md), so the rule is the vendor's:
 
-- `LAYERLINE_ROW_PRODUCTS=auto` (the default): the kernel on a CPU that is not Intel's, MKL on Intel's;
+- `LAYERLINE_ROW_PRODUCTS=auto` (the default): the kernel on an x86 CPU that is not Intel's (AMD's,
+  Hygon's: /proc/cpuinfo names a vendor), torch's products elsewhere (MKL on Intel's; on other
+  architectures torch uses no MKL, and the kernel was not measured there);
 - `kernel`: the kernel wherever it compiles; `torch`: torch's products everywhere.
 
 The kernel sums in an order of its own, so its products agree with torch's to rounding, not to the
@@ -43,18 +45,19 @@ VECTOR = 16  # floats a column block's width must be a multiple of (kernels/rows
 TOLERANCE = 1e-4  # relative to the sum of |x_i w_ij|: the check's bound on the kernel's rounding
 
 
-def intel_cpu() -> bool:
-    """Whether this machine's CPU is Intel's (`vendor_id : GenuineIntel` on Linux)."""
+def cpu_vendor() -> str:
+    """This machine's x86 CPU vendor as Linux names it (`GenuineIntel`, `AuthenticAMD`, ...); "" where
+    /proc/cpuinfo names none (another architecture, another system)."""
     try:
         with open(CPUINFO, encoding="utf-8", errors="replace") as f:
             for line in f:
                 if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip() == "GenuineIntel"
+                    return line.split(":", 1)[1].strip()
                 if not line.strip():
                     break
     except OSError:
         pass
-    return False
+    return ""
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,9 @@ class _Layout:
 def _layout(w: torch.Tensor) -> _Layout | None:
     """The kernel's layout of a row weight (rows.py's `RowWeight` tensor) by its shape and strides;
     None where the kernel does not take it."""
-    if w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() not in (2, 3) or w.requires_grad:
+    if w.dtype != torch.float32 or w.device.type != "cpu" or w.layout != torch.strided or w.is_neg():
+        return None
+    if w.dim() not in (2, 3) or w.requires_grad:
         return None
     blocks, fan_in, block = (1, *w.shape) if w.dim() == 2 else w.shape
     block_stride = w.stride(0) if w.dim() == 3 else 0
@@ -104,7 +109,10 @@ class _Bound:
 
     def add_product(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual + x W^T + b for residual [1, out], x [1, in]: a new [1, out]."""
-        if residual.shape != (1, self._layout.out) or residual.dtype != torch.float32 or not residual.is_contiguous():
+        n = self._layout
+        if residual.shape != (1, n.out) or residual.dtype != torch.float32 or not residual.is_contiguous():
+            return self._call(x, None).add_(residual)
+        if not residual.is_cpu or residual.is_neg():
             return self._call(x, None).add_(residual)
         return self._call(x, residual)
 
@@ -112,8 +120,8 @@ class _Bound:
         n = self._layout
         if x.shape != (1, n.fan_in) or x.dtype != torch.float32 or not x.is_cpu:
             raise ValueError(f"a row of {n.fan_in} float32 on the CPU, not {x.dtype} {list(x.shape)}")
-        x = x if x.is_contiguous() else x.contiguous()
-        y = torch.empty(1, n.out)
+        x = x if x.is_contiguous() and not x.is_neg() else x.resolve_neg().contiguous()
+        y = torch.empty(1, n.out, dtype=torch.float32)
         b = None if self._b is None else self._b.data_ptr()
         r = None if residual is None else residual.data_ptr()
         threads = torch.get_num_threads()
@@ -151,8 +159,10 @@ def row_kernel() -> native.PagedAttentionKernel | None:
     choice = os.environ.get(ENV, "auto")
     if choice not in ("auto", "kernel", "torch"):
         raise ValueError(f"{ENV}={choice!r}: must be 'auto', 'kernel' or 'torch'")
-    if choice == "torch" or (choice == "auto" and intel_cpu()):
-        log.info("float32 row products: torch's (%s=%s%s)", ENV, choice, ", an Intel CPU" if choice == "auto" else "")
+    vendor = cpu_vendor()
+    if choice == "torch" or (choice == "auto" and vendor in ("GenuineIntel", "")):
+        why = f", the CPU's vendor {vendor or 'not named'}" if choice == "auto" else ""
+        log.info("float32 row products: torch's (%s=%s%s)", ENV, choice, why)
         return None
     try:
         kernel = native.load()
@@ -161,7 +171,7 @@ def row_kernel() -> native.PagedAttentionKernel | None:
         return None
     try:
         worst = max(_disagreement(kernel, *case) for case in CHECKED)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RuntimeError) as e:
         log.warning("float32 row products: torch's (%s failed its check: %s)", kernel.path, e)
         return None
     if not worst <= TOLERANCE:  # NaN too
@@ -171,8 +181,9 @@ def row_kernel() -> native.PagedAttentionKernel | None:
     return kernel
 
 
-# (in, out, form, bias) checked: a plain [in, out], its column blocks, the LM head's contiguous
-# blocks, a [out, in] matrix and its row blocks; widths past and short of the unrolled 8 rows and 16 inputs.
+# (in, out, form, bias) checked: a plain [in, out], its column-block view (the matrix itself to the
+# kernel), the LM head's contiguous blocks, a [out, in] matrix and its row blocks; widths past and
+# short of the unrolled 8 rows and 16 inputs, and a last group of fewer than 4 outputs.
 CHECKED = (
     (576, 960, "plain", False),
     (37, 64, "columns", True),

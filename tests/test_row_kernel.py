@@ -15,7 +15,9 @@ from layerline.stage_worker.rows import RowMultiply
 
 @pytest.fixture
 def products(monkeypatch):
-    """The kernel, chosen wherever it compiles (`kernel`), for this test only."""
+    """The kernel, chosen wherever it compiles (`kernel`), for this test only; torch's thread count
+    restored after it."""
+    threads = torch.get_num_threads()
     monkeypatch.setenv(row_kernel.ENV, "kernel")
     row_kernel.row_kernel.cache_clear()
     kernel = row_kernel.row_kernel()
@@ -23,6 +25,7 @@ def products(monkeypatch):
         pytest.skip("no compiled kernel here (no C compiler, or LAYERLINE_KERNELS=torch)")
     yield kernel
     row_kernel.row_kernel.cache_clear()
+    torch.set_num_threads(threads)
 
 
 def _expected(x, weight, bias, residual=None):
@@ -54,11 +57,25 @@ def test_the_layers_row_weights_give_torchs_products(products, threads, fan_in, 
         product, add_product = bound
         torch.testing.assert_close(product(x), _expected(x, weight, b), atol=1e-4, rtol=1e-5)
         torch.testing.assert_close(add_product(residual, x), _expected(x, weight, b, residual), atol=1e-4, rtol=1e-5)
-        assert isinstance(RowMultiply.of((w, module_bias)).product(x), torch.Tensor)
+        assert isinstance(getattr(RowMultiply.of((w, module_bias)).product, "__self__", None), row_kernel._Bound)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("out", [90, 7, 1])
+def test_a_last_group_of_fewer_than_four_outputs(products, threads, out):
+    """The [out, in] form takes its outputs four at a time: a short last group (and fewer outputs
+    than threads) gives torch's products too."""
+    torch.set_num_threads(threads)
+    generator = torch.Generator().manual_seed(out)
+    weight, x = torch.randn(out, 35, generator=generator), torch.randn(1, 35, generator=generator)
+    bound = row_kernel.bind(weight.t(), None)
+    assert bound is not None
+    torch.testing.assert_close(bound[0](x), x @ weight.t(), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("vocab", [4096, 4104])
-def test_the_lm_heads_blocks_give_torchs_logits_in_vocabulary_order(products, vocab):
+def test_the_lm_heads_blocks_give_torchs_logits_in_vocabulary_order(products, vocab, threads):
     """The head's column blocks (`HEAD_BLOCKS`): 8 of 512 columns; 8 of 513, not whole vectors of
     16, which the kernel leaves to torch."""
     generator = torch.Generator().manual_seed(vocab)
@@ -67,7 +84,8 @@ def test_the_lm_heads_blocks_give_torchs_logits_in_vocabulary_order(products, vo
         loaded.weight.copy_(torch.randn(vocab, 64, generator=generator))
     head = LMHead.of(loaded)
     x = torch.randn(1, 64, generator=generator)
-    bound = row_kernel.bind(*head.row_weight(2))
+    torch.set_num_threads(threads)  # 3 threads: a thread's columns cross a block's edge
+    bound = row_kernel.bind(*head.row_weight(threads))
     assert head.weight_blocks.shape[:1] == (8,)
     if vocab == 4104:
         assert bound is None
@@ -96,22 +114,27 @@ def test_a_bad_row_is_refused_naming_the_width(products):
         product(torch.randn(2, 32))
 
 
-def test_the_rule_picks_torch_on_intel_and_where_told(monkeypatch, tmp_path):
-    """auto: the kernel unless the CPU is Intel's (MKL's fast products run there); torch: never; a
+def test_the_rule_picks_the_kernel_on_amd_and_torch_on_intel_and_where_told(products, monkeypatch, tmp_path):
+    """auto: the kernel on an x86 CPU that is not Intel's (MKL's fast products run on Intel's), torch
+    where no vendor is named (another architecture); kernel: everywhere; torch: nowhere; a
     misspelt choice is a ValueError naming the variable."""
-    intel, amd = tmp_path / "intel", tmp_path / "amd"
-    intel.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\n\n")
-    amd.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\n\n")
+    cpus = {"intel": "vendor_id\t: GenuineIntel\n", "amd": "vendor_id\t: AuthenticAMD\n", "arm": "CPU part\t: 0xd0c\n"}
+    for name, line in cpus.items():
+        (tmp_path / name).write_text(f"processor\t: 0\n{line}\n")
     try:
-        monkeypatch.setattr(row_kernel, "CPUINFO", str(intel))
-        monkeypatch.setenv(row_kernel.ENV, "auto")
-        row_kernel.row_kernel.cache_clear()
-        assert row_kernel.intel_cpu() and row_kernel.row_kernel() is None
-        assert row_kernel.bind(torch.randn(32, 48), None) is None
-        monkeypatch.setattr(row_kernel, "CPUINFO", str(amd))
-        monkeypatch.setenv(row_kernel.ENV, "torch")
-        row_kernel.row_kernel.cache_clear()
-        assert not row_kernel.intel_cpu() and row_kernel.row_kernel() is None
+        for cpu, choice, serves in [
+            ("intel", "auto", False),
+            ("arm", "auto", False),
+            ("amd", "auto", True),
+            ("intel", "kernel", True),
+            ("amd", "torch", False),
+        ]:
+            monkeypatch.setattr(row_kernel, "CPUINFO", str(tmp_path / cpu))
+            monkeypatch.setenv(row_kernel.ENV, choice)
+            row_kernel.row_kernel.cache_clear()
+            assert (row_kernel.row_kernel() is not None) == serves, (cpu, choice)
+            assert (row_kernel.bind(torch.randn(32, 48), None) is not None) == serves, (cpu, choice)
+        assert row_kernel.cpu_vendor() == "AuthenticAMD"
         monkeypatch.setenv(row_kernel.ENV, "fast")
         row_kernel.row_kernel.cache_clear()
         with pytest.raises(ValueError, match="LAYERLINE_ROW_PRODUCTS='fast'"):
