@@ -1,5 +1,6 @@
-"""This machine's CPU as Linux describes it in /proc/cpuinfo: its model's name and its flags (the
-instruction sets it has). Where there is no /proc/cpuinfo, what `platform` knows and no flags."""
+"""This machine's CPU as Linux describes it in /proc/cpuinfo: its model's name, its vendor and its
+flags (the instruction sets it has). Where there is no /proc/cpuinfo, what `platform` knows, no
+vendor and no flags."""
 
 from __future__ import annotations
 
@@ -12,6 +13,12 @@ CPUINFO = Path("/proc/cpuinfo")
 def cpu_name() -> str:
     """The first CPU's model name ("Intel(R) Xeon(R) Processor"), else the platform's processor."""
     return _field("model name") or platform.processor() or platform.machine()
+
+
+def cpu_vendor() -> str:
+    """The first CPU's x86 vendor ("GenuineIntel", "AuthenticAMD", ...); "" where none is named
+    (another architecture's /proc/cpuinfo, or none)."""
+    return _field("vendor_id")
 
 
 def cpu_flags() -> frozenset[str]:

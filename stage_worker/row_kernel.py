@@ -35,29 +35,15 @@ from dataclasses import dataclass
 
 import torch
 
+from layerline.shared.cpu import cpu_vendor
+
 from . import native
 
 log = logging.getLogger(__name__)
 
 ENV = "LAYERLINE_ROW_PRODUCTS"  # auto | kernel | torch (see the module's doc)
-CPUINFO = "/proc/cpuinfo"
 VECTOR = 16  # floats a column block's width must be a multiple of (kernels/rows.c's vector)
 TOLERANCE = 1e-4  # relative to the sum of |x_i w_ij|: the check's bound on the kernel's rounding
-
-
-def cpu_vendor() -> str:
-    """This machine's x86 CPU vendor as Linux names it (`GenuineIntel`, `AuthenticAMD`, ...); "" where
-    /proc/cpuinfo names none (another architecture, another system)."""
-    try:
-        with open(CPUINFO, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-                if not line.strip():
-                    break
-    except OSError:
-        pass
-    return ""
 
 
 @dataclass(frozen=True)
@@ -95,6 +81,11 @@ def _layout(w: torch.Tensor) -> _Layout | None:
     return None
 
 
+def _plain(t: torch.Tensor) -> bool:
+    """What the kernel reads of a bias or residual as it lies: float32 on the CPU, contiguous, not negated."""
+    return t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() and not t.is_neg()
+
+
 class _Bound:
     """The kernel's product by one row weight and bias, checked once: a call checks only its row.
     It holds the tensors and reads their addresses at each call (a tensor's storage can be swapped)."""
@@ -109,11 +100,8 @@ class _Bound:
 
     def add_product(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual + x W^T + b for residual [1, out], x [1, in]: a new [1, out]."""
-        n = self._layout
-        if residual.shape != (1, n.out) or residual.dtype != torch.float32 or not residual.is_contiguous():
-            return self._call(x, None).add_(residual)
-        if not residual.is_cpu or residual.is_neg():
-            return self._call(x, None).add_(residual)
+        if residual.shape != (1, self._layout.out) or not _plain(residual):
+            return self._call(x, None).add_(residual)  # torch adds what the kernel does not read
         return self._call(x, residual)
 
     def _call(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
@@ -142,7 +130,7 @@ def bind(w: torch.Tensor, b: torch.Tensor | None) -> RowProducts | None:
     layout = _layout(w)
     if layout is None:
         return None
-    if b is not None and not (b.shape == (layout.out,) and b.dtype == torch.float32 and b.is_contiguous() and b.is_cpu):
+    if b is not None and not (b.shape == (layout.out,) and _plain(b)):
         return None
     kernel = row_kernel()
     if kernel is None:

@@ -12,6 +12,7 @@ import pytest
 from layerline.bench.machine import FLAGS, this_machine
 from layerline.bench.run import BenchResult
 from layerline.stage_worker.paged_attention import compiled_kernel
+from layerline.stage_worker.row_kernel import row_kernel
 from layerline.stage_worker.tiles import tile_kernel
 
 pytestmark = pytest.mark.timeout(120)
@@ -30,6 +31,7 @@ def test_the_bench_records_the_cpu_and_the_kernels_that_served():
     assert machine["kernels"] == {
         "decode_attention": "compiled" if compiled_kernel() is not None else "torch",
         "bfloat16_products": "amx_tiles" if tile_kernel() is not None else "onednn",
+        "float32_row_products": "compiled" if row_kernel() is not None else "torch",
     }
     result = BenchResult(model="m", dtype="bfloat16", threads=2, new_tokens=1, rounds=1, machine=machine)
     assert asdict(result)["machine"]["kernels"] == machine["kernels"]  # what --json writes
@@ -41,8 +43,13 @@ def test_the_cpu_is_read_from_cpuinfo_and_falls_back_to_the_platform(tmp_path, m
     from layerline.shared import cpu
 
     info = tmp_path / "cpuinfo"
-    info.write_text("processor\t: 0\nmodel name\t: Some CPU @ 2.0GHz\nflags\t\t: fpu avx2 amx_tile\n\nprocessor\t: 1\n")
+    info.write_text(
+        "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: Some CPU @ 2.0GHz\nflags\t\t: fpu avx2 amx_tile\n\n"
+        "processor\t: 1\n"
+    )
     monkeypatch.setattr(cpu, "CPUINFO", info)
     assert cpu.cpu_name() == "Some CPU @ 2.0GHz" and cpu.cpu_flags() == {"fpu", "avx2", "amx_tile"}
+    assert cpu.cpu_vendor() == "AuthenticAMD"
     monkeypatch.setattr(cpu, "CPUINFO", tmp_path / "missing")
     assert cpu.cpu_name() == (platform.processor() or platform.machine()) and cpu.cpu_flags() == frozenset()
+    assert cpu.cpu_vendor() == ""

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from layerline.shared import cpu as shared_cpu
 from layerline.stage_worker import row_kernel
 from layerline.stage_worker.layouts import Linear, LMHead, StepThreads, TransposedLinear
 from layerline.stage_worker.rows import RowMultiply
@@ -106,6 +107,21 @@ def test_weights_the_kernel_does_not_take_keep_torchs_product(products):
     torch.testing.assert_close(RowMultiply.of((narrow, None)).product(x), x @ narrow)
 
 
+def test_a_residual_the_kernel_does_not_read_is_added_by_torch(products):
+    """A strided residual, a negated view of one (torch's lazy negation) and a bias of one are not
+    what the kernel reads as they lie: the sums are still residual + x W^T + b."""
+    generator = torch.Generator().manual_seed(7)
+    weight, x = torch.randn(48, 32, generator=generator), torch.randn(1, 32, generator=generator)
+    strided = torch.randn(48, 2, generator=generator).t()[:1]  # [1, 48], stride 2
+    negated = torch._neg_view(torch.randn(1, 48, generator=generator))
+    assert not strided.is_contiguous() and negated.is_neg()
+    product, add_product = row_kernel.bind(weight.t().contiguous(), None)
+    for residual in (strided, negated):
+        torch.testing.assert_close(add_product(residual, x), x @ weight.t() + residual, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(product(torch._neg_view(x)), -x @ weight.t(), atol=1e-4, rtol=1e-5)
+    assert row_kernel.bind(weight.t().contiguous(), torch._neg_view(torch.randn(48))) is None
+
+
 def test_a_bad_row_is_refused_naming_the_width(products):
     product, _ = row_kernel.bind(torch.randn(32, 48), None)
     with pytest.raises(ValueError, match="a row of 32 float32"):
@@ -129,12 +145,12 @@ def test_the_rule_picks_the_kernel_on_amd_and_torch_on_intel_and_where_told(prod
             ("intel", "kernel", True),
             ("amd", "torch", False),
         ]:
-            monkeypatch.setattr(row_kernel, "CPUINFO", str(tmp_path / cpu))
+            monkeypatch.setattr(shared_cpu, "CPUINFO", tmp_path / cpu)
             monkeypatch.setenv(row_kernel.ENV, choice)
             row_kernel.row_kernel.cache_clear()
             assert (row_kernel.row_kernel() is not None) == serves, (cpu, choice)
             assert (row_kernel.bind(torch.randn(32, 48), None) is not None) == serves, (cpu, choice)
-        assert row_kernel.cpu_vendor() == "AuthenticAMD"
+        assert shared_cpu.cpu_vendor() == "AuthenticAMD"
         monkeypatch.setenv(row_kernel.ENV, "fast")
         row_kernel.row_kernel.cache_clear()
         with pytest.raises(ValueError, match="LAYERLINE_ROW_PRODUCTS='fast'"):
