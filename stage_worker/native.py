@@ -66,6 +66,7 @@ SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "silu_mul": ([_P, _INT, _I, _I, _INT, _P], None),
     "tiles_ready": ([], _INT),
     "tile_linear": ([_P, _P, _P, _I, _I, _I, _INT, _P], _INT),
+    "rows_vectorized": ([], _INT),
     "row_columns": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _INT, _P], None),
     "row_rows": ([_P, _P, _P, _P, _I, _I, _INT, _P], None),
 }

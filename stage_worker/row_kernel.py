@@ -12,8 +12,9 @@ On an Intel Xeon MKL reads them at memory speed already (a kernel like this one 
 there: 23.0 against 21.5-22.5 ms, docs/performance.md), so the rule is the vendor's:
 
 - `LAYERLINE_ROW_PRODUCTS=auto` (the default): the kernel on an x86 CPU that is not Intel's (AMD's,
-  Hygon's: /proc/cpuinfo names a vendor), torch's products elsewhere (MKL on Intel's; on other
-  architectures torch uses no MKL, and the kernel was not measured there);
+  Hygon's: /proc/cpuinfo names a vendor) where it was built with AVX2 or AVX-512 (`-march=native`;
+  SSE2's narrow vectors would not beat MKL's generic code), torch's products elsewhere (MKL on
+  Intel's; on other architectures torch uses no MKL, and the kernel was not measured there);
 - `kernel`: the kernel wherever it compiles; `torch`: torch's products everywhere.
 
 The kernel sums in an order of its own, so its products agree with torch's to rounding, not to the
@@ -156,6 +157,9 @@ def row_kernel() -> native.PagedAttentionKernel | None:
         kernel = native.load()
     except native.KernelUnavailable as e:
         log.info("float32 row products: torch's (no compiled kernel: %s)", e)
+        return None
+    if choice == "auto" and not kernel.unchecked["rows_vectorized"]():
+        log.info("float32 row products: torch's (%s was built without AVX2 or AVX-512)", kernel.path)
         return None
     try:
         worst = max(_disagreement(kernel, *case) for case in CHECKED)

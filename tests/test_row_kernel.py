@@ -4,6 +4,9 @@ the rule that picks it (LAYERLINE_ROW_PRODUCTS, the CPU's vendor)."""
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 from torch import nn
@@ -120,6 +123,26 @@ def test_a_residual_the_kernel_does_not_read_is_added_by_torch(products):
         torch.testing.assert_close(add_product(residual, x), x @ weight.t() + residual, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(product(torch._neg_view(x)), -x @ weight.t(), atol=1e-4, rtol=1e-5)
     assert row_kernel.bind(weight.t().contiguous(), torch._neg_view(torch.randn(48))) is None
+
+
+def test_auto_wants_a_build_with_wide_vectors(products, tmp_path):
+    """`auto` takes the kernel only from a build with AVX2 or AVX-512 (`-march=native` on such a CPU):
+    a build without `-march` (SSE2 on x86-64) says so, and this machine's build says what its CPU has."""
+    import ctypes
+    import platform
+    import subprocess
+
+    from layerline.shared.cpu import cpu_flags
+    from layerline.stage_worker import native
+
+    assert products.unchecked["rows_vectorized"]() == int(bool({"avx2", "avx512f"} & cpu_flags()))
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    source = next(path for path in native.SOURCES if path.name == "rows.c")
+    library = tmp_path / "rows.so"
+    subprocess.run([str(compiler), *native.FLAGS, "-o", str(library), str(source)], check=True)
+    assert ctypes.CDLL(str(library)).layerline_rows_vectorized() == 0
 
 
 def test_a_bad_row_is_refused_naming_the_width(products):

@@ -27,6 +27,16 @@
 
 typedef float v16 __attribute__((vector_size(64), aligned(4))); /* 16 floats, loads at any address */
 
+/* 1 where this build's vectors are wide (AVX2 or AVX-512: `-march=native` on such a CPU), 0 where
+ * they fell back to SSE2's four floats, which stream a weight slower than MKL's generic code. */
+int layerline_rows_vectorized(void) {
+#if defined(__AVX2__) || defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 static inline v16 splat(float a) {
     v16 v = {0};
     return v + a;
