@@ -36,6 +36,7 @@ from torch import nn
 from .decode_path import DecodePath
 from .llama import DecoderLayer, StageModel, StepThreads, VocabParallelEmbedding
 from .quantize import Int8Embedding, QuantizeError, quantized
+from .row_kernel import bf16_row_kernel
 from .rows import RowPath, RowWeight, row_product
 from .settings import QUANTIZE, WEIGHT_LAYOUTS  # see PackedLinear; the stage's --weight-layout, --quantize
 from .tiles import pack, packed_product
@@ -238,21 +239,30 @@ class PackedLinear(nn.Module):
     (one row 1.7x, 16 rows 1.65x, 32 rows 1.3x against torch's plain bfloat16 matmul, 19 layers,
     one thread), so no plain copy is kept even under `both`; and where the AMX tile kernel serves
     (tiles.py: oneDNN's numbers up to 32 rows, 30-45% sooner on SmolLM2's shapes), the weight is
-    laid out for it instead of for oneDNN.
+    laid out for it instead of for oneDNN. Where the compiled bfloat16 row kernel serves
+    (row_kernel.py: on the CPU's bfloat16 dot product, where oneDNN's single rows are slower than
+    memory), `both` keeps the [out, in] weight (`keep_rows`) for single rows beside the packed one:
+    SmolLM2's 30 layers, one row, two threads (AMD EPYC Zen 5, 30 copies of each weight): 4.7
+    against oneDNN's 5.5 ms, for twice the memory of these weights, as float32's `both` pays.
     """
 
-    def __init__(self, plain: TransposedLinear | Linear | LMHead, *, keep_plain: bool) -> None:
+    def __init__(self, plain: TransposedLinear | Linear | LMHead, *, keep_plain: bool, keep_rows: bool = False) -> None:
         super().__init__()
         # Detached: an autograd graph from the packed weight would keep the plain one alive.
-        self.register_buffer("weight_packed", pack(plain.dense().detach().contiguous()))
+        dense = plain.dense().detach().contiguous()  # [out, in]
+        self.register_buffer("weight_packed", pack(dense))
+        self.register_buffer("weight_rows", dense if keep_rows and not keep_plain else None)
         self.register_buffer("bias", None if plain.bias is None else plain.bias.detach().contiguous())
         self.plain = plain if keep_plain else None
 
     def row_weight(self, threads: int) -> RowWeight:
-        """The plain layer's, when it is kept; else the packed weight, which a single row
-        multiplies as the modules do (`rows.RowMultiply`)."""
+        """The plain layer's, when it is kept; else the [out, in] weight kept for single rows, seen
+        as [in, out]; else the packed weight, which a single row multiplies as the modules do
+        (`rows.RowMultiply`)."""
         if self.plain is not None:
             return self.plain.row_weight(threads)
+        if isinstance(self.weight_rows, torch.Tensor):
+            return self.weight_rows.t(), self.bias  # type: ignore[return-value]
         weight, bias = self.weight_packed, self.bias
         assert isinstance(weight, torch.Tensor) and (bias is None or isinstance(bias, torch.Tensor))
         return weight, bias
@@ -308,13 +318,15 @@ def apply_layouts(
     if model.lm_head is not None:
         model.lm_head = LMHead.of(model.lm_head)
     if weight_layout != "plain" and can_pack(dtype, device):
-        pack_linears(model, keep_plain=weight_layout == "both" and dtype == torch.float32)
+        both = weight_layout == "both"
+        keep_rows = both and dtype == torch.bfloat16 and bf16_row_kernel() is not None
+        pack_linears(model, keep_plain=both and dtype == torch.float32, keep_rows=keep_rows)
         model.decode_path = DecodePath(model)  # a decode batch's step over the packed weights
     model.row_path = RowPath(model)  # a step of one token over the layers' row weights
     return model
 
 
-def pack_linears(model: nn.Module, *, keep_plain: bool) -> None:
+def pack_linears(model: nn.Module, *, keep_plain: bool, keep_rows: bool = False) -> None:
     """Wrap every linear layer (and the LM head) in its `PackedLinear`, once, after the layouts."""
     # Only the owners are listed, so that each plain layer not kept is freed as soon as it is packed.
     slots = [
@@ -324,7 +336,7 @@ def pack_linears(model: nn.Module, *, keep_plain: bool) -> None:
         if isinstance(child, (TransposedLinear, Linear, LMHead))
     ]
     for owner, name in slots:
-        setattr(owner, name, PackedLinear(getattr(owner, name), keep_plain=keep_plain))
+        setattr(owner, name, PackedLinear(getattr(owner, name), keep_plain=keep_plain, keep_rows=keep_rows))
 
 
 def quantize_linears(model: StageModel, *, scheme: str) -> None:

@@ -69,6 +69,8 @@ SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "rows_vectorized": ([], _INT),
     "row_columns": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _INT, _P], None),
     "row_rows": ([_P, _P, _P, _P, _I, _I, _INT, _P], None),
+    "rows_bf16": ([], _INT),
+    "row_rows_bf16": ([_P, _P, _P, _P, _I, _I, _INT, _P], None),
 }
 
 

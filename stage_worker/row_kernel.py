@@ -1,27 +1,35 @@
-"""float32 products of a single row through the compiled kernel (kernels/rows.c), where MKL's are slow.
+"""Products of a single row through the compiled kernels (kernels/rows.c), where torch's are slow.
 
 A lone stream's step multiplies each of SmolLM2's 121 weights by one row: the weights stream
 from memory once a token, and a product can go no faster than the cores read them. torch hands
-such a product to MKL, whose tuned code runs on Intel's CPUs only: on others it takes its generic
-path (`mkl_blas_def_xsgemv` on an AMD EPYC Zen 3, docs/performance.md). Measured on 2 cores of an
-AMD EPYC (Zen 5, AVX-512), 30 copies of each of SmolLM2's weights, one row, interleaved rounds (ms,
-against the weights' bytes at the read bandwidth a sum gets): qkv 2.2-2.4 -> 1.0, o 1.5-1.9 ->
-0.5-0.7, gate_up 6.2 -> 3.5-4.2, down 3.2-3.3 -> 1.6-2.2, the LM head 2.3-2.9 -> 1.2-2.0; all
-121 of a token 16.1 -> 8.1 ms where reading them takes 6.8 (oneDNN's packed products: 10.5).
-On an Intel Xeon MKL reads them at memory speed already (a kernel like this one was no faster
-there: 23.0 against 21.5-22.5 ms, docs/performance.md), so the rule is the vendor's:
+such a float32 product to MKL, whose tuned code runs on Intel's CPUs only: on others it takes its
+generic path (`mkl_blas_def_xsgemv` on an AMD EPYC Zen 3, docs/performance.md). Measured on 2
+cores of an AMD EPYC (Zen 5, AVX-512), 30 copies of each of SmolLM2's weights, one row,
+interleaved rounds (ms, against the weights' bytes at the read bandwidth a sum gets): qkv 2.2-2.4
+-> 1.0, o 1.5-1.9 -> 0.5-0.7, gate_up 6.2 -> 3.5-4.2, down 3.2-3.3 -> 1.6-2.2, the LM head 2.3-2.9
+-> 1.2-2.0; all 121 of a token 16.1 -> 8.1 ms where reading them takes 6.8 (oneDNN's packed
+products: 10.5). In bfloat16 torch's products of a row are oneDNN's packed ones; on the same
+machine a row through the CPU's bfloat16 dot product (VDPBF16PS) over the plain [out, in] weight,
+30 copies of each: qkv 0.89 -> 0.77, o 0.65 -> 0.37, gate_up 2.55 -> 2.51, down 1.37 -> 1.05 (the
+30 layers 5.5 -> 4.7 ms, about what reading them takes). On an Intel Xeon MKL reads float32 rows at
+memory speed already (a kernel like this one was no faster there: 23.0 against 21.5-22.5 ms,
+docs/performance.md), so the rule is the vendor's:
 
-- `LAYERLINE_ROW_PRODUCTS=auto` (the default): the kernel on an x86 CPU that is not Intel's (AMD's,
-  Hygon's: /proc/cpuinfo names a vendor) where it was built with AVX2 or AVX-512 (`-march=native`;
-  SSE2's narrow vectors would not beat MKL's generic code), torch's products elsewhere (MKL on
-  Intel's; on other architectures torch uses no MKL, and the kernel was not measured there);
-- `kernel`: the kernel wherever it compiles; `torch`: torch's products everywhere.
+- `LAYERLINE_ROW_PRODUCTS=auto` (the default): the kernels on an x86 CPU that is not Intel's (AMD's,
+  Hygon's: /proc/cpuinfo names a vendor) where they were built for it (`-march=native`): float32
+  with AVX2 or AVX-512 (SSE2's narrow vectors would not beat MKL's generic code), bfloat16 with
+  AVX512_BF16; torch's products elsewhere (MKL on Intel's, where bfloat16 has AMX tiles or oneDNN;
+  on other architectures torch uses no MKL, and the kernels were not measured there);
+- `kernel`: the kernels wherever they compile (bfloat16's only with its instruction);
+  `torch`: torch's products everywhere.
 
-The kernel sums in an order of its own, so its products agree with torch's to rounding, not to the
-bit: `row_kernel()` checks that on random rows of every layout before it trusts a build.
-`bind(weight, bias)` makes the product for one of rows.py's row weights (a float32 [in, out]
-matrix, its column blocks, or a [out, in] matrix's row blocks, by their strides), or says None
-where the kernel does not take it and torch's product stays.
+The kernels sum in an order of their own, so their products agree with torch's to rounding, not
+to the bit: `row_kernel()` and `bf16_row_kernel()` check that on random rows of every layout they
+take before they trust a build. `bind(weight, bias)` makes the product for one of rows.py's row
+weights (a float32 [in, out] matrix, its column blocks, or a float32 or bfloat16 [out, in]
+matrix's row blocks, by their strides), or says None where the kernel does not take it and
+torch's product stays. A bfloat16 stage keeps the [out, in] weights for it under `--weight-layout
+both` (layouts.PackedLinear), beside oneDNN's packed ones.
 
 Knows the kernel's layouts and arguments; nothing of models, steps or the network.
 """
@@ -44,7 +52,10 @@ log = logging.getLogger(__name__)
 
 ENV = "LAYERLINE_ROW_PRODUCTS"  # auto | kernel | torch (see the module's doc)
 VECTOR = 16  # floats a column block's width must be a multiple of (kernels/rows.c's vector)
-TOLERANCE = 1e-4  # relative to the sum of |x_i w_ij|: the check's bound on the kernel's rounding
+DTYPES = (torch.float32, torch.bfloat16)
+# Relative to the sum of |x_i w_ij|: the check's bound on the kernel's rounding. A bfloat16 output
+# is rounded to 8 bits, so the kernel's and torch's may differ by one unit of it there (2^-8).
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2.0**-7}
 
 
 @dataclass(frozen=True)
@@ -57,12 +68,13 @@ class _Layout:
     block: int = 0
     block_stride: int = 0
     row_stride: int = 0
+    dtype: torch.dtype = torch.float32  # float32 (either layout) or bfloat16 (rows only: row_rows_bf16)
 
 
 def _layout(w: torch.Tensor) -> _Layout | None:
-    """The kernel's layout of a row weight (rows.py's `RowWeight` tensor) by its shape and strides;
-    None where the kernel does not take it."""
-    if w.dtype != torch.float32 or w.device.type != "cpu" or w.layout != torch.strided or w.is_neg():
+    """The kernel's layout of a row weight (rows.py's `RowWeight` tensor) by its dtype, shape and
+    strides; None where the kernel does not take it."""
+    if w.dtype not in DTYPES or w.device.type != "cpu" or w.layout != torch.strided or w.is_neg():
         return None
     if w.dim() not in (2, 3) or w.requires_grad:
         return None
@@ -74,17 +86,21 @@ def _layout(w: torch.Tensor) -> _Layout | None:
         return None
     if column_stride == 1 and blocks > 1 and block_stride == block and row_stride == out:
         block, block_stride = out, 0  # a [in, out] matrix's column blocks: the matrix itself
-    if column_stride == 1 and block % VECTOR == 0:
+    if column_stride == 1 and block % VECTOR == 0 and w.dtype == torch.float32:
         return _Layout(False, fan_in, out, block, block_stride, row_stride)
     # A [out, in] matrix seen as [in, out] (`.t()`), or as its row blocks [blocks, in, out / blocks]
     if row_stride == 1 and column_stride == fan_in and (blocks == 1 or block_stride == block * fan_in):
-        return _Layout(True, fan_in, out)
+        return _Layout(True, fan_in, out, dtype=w.dtype)
     return None
 
 
-def _plain(t: torch.Tensor) -> bool:
-    """What the kernel reads of a bias or residual as it lies: float32 on the CPU, contiguous, not negated."""
-    return t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() and not t.is_neg()
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _plain(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """What the kernel reads of a bias or residual as it lies: `dtype` on the CPU, contiguous, not negated."""
+    return t.dtype == dtype and t.is_cpu and t.is_contiguous() and not t.is_neg()
 
 
 class _Bound:
@@ -92,7 +108,8 @@ class _Bound:
     It holds the tensors and reads their addresses at each call (a tensor's storage can be swapped)."""
 
     def __init__(self, kernel: native.PagedAttentionKernel, layout: _Layout, w: torch.Tensor, b: torch.Tensor | None):
-        self._rows, self._columns = kernel.unchecked["row_rows"], kernel.unchecked["row_columns"]
+        self._rows = kernel.unchecked["row_rows" if layout.dtype == torch.float32 else "row_rows_bf16"]
+        self._columns = kernel.unchecked["row_columns"]
         self._layout, self._w, self._b = layout, w, b
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,16 +118,16 @@ class _Bound:
 
     def add_product(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual + x W^T + b for residual [1, out], x [1, in]: a new [1, out]."""
-        if residual.shape != (1, self._layout.out) or not _plain(residual):
+        if residual.shape != (1, self._layout.out) or not _plain(residual, self._layout.dtype):
             return self._call(x, None).add_(residual)  # torch adds what the kernel does not read
         return self._call(x, residual)
 
     def _call(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         n = self._layout
-        if x.shape != (1, n.fan_in) or x.dtype != torch.float32 or not x.is_cpu:
-            raise ValueError(f"a row of {n.fan_in} float32 on the CPU, not {x.dtype} {list(x.shape)}")
+        if x.shape != (1, n.fan_in) or x.dtype != n.dtype or not x.is_cpu:
+            raise ValueError(f"a row of {n.fan_in} {_name(n.dtype)} on the CPU, not {_name(x.dtype)} {list(x.shape)}")
         x = x if x.is_contiguous() and not x.is_neg() else x.resolve_neg().contiguous()
-        y = torch.empty(1, n.out, dtype=torch.float32)
+        y = torch.empty(1, n.out, dtype=n.dtype)
         b = None if self._b is None else self._b.data_ptr()
         r = None if residual is None else residual.data_ptr()
         threads = torch.get_num_threads()
@@ -131,9 +148,9 @@ def bind(w: torch.Tensor, b: torch.Tensor | None) -> RowProducts | None:
     layout = _layout(w)
     if layout is None:
         return None
-    if b is not None and not (b.shape == (layout.out,) and _plain(b)):
+    if b is not None and not (b.shape == (layout.out,) and _plain(b, layout.dtype)):
         return None
-    kernel = row_kernel()
+    kernel = row_kernel() if layout.dtype == torch.float32 else bf16_row_kernel()
     if kernel is None:
         return None
     bound = _Bound(kernel, layout, w, b)
@@ -142,34 +159,48 @@ def bind(w: torch.Tensor, b: torch.Tensor | None) -> RowProducts | None:
 
 @functools.cache
 def row_kernel() -> native.PagedAttentionKernel | None:
-    """The compiled library where its row products serve (the module's rule, checked against
-    torch's products); None, logged once, otherwise. A bad LAYERLINE_ROW_PRODUCTS or
+    """The compiled library where its float32 row products serve (the module's rule, checked
+    against torch's products); None, logged once, otherwise. A bad LAYERLINE_ROW_PRODUCTS or
     LAYERLINE_KERNELS is a ValueError: the stage does not start on it."""
+    return _chosen(torch.float32, "rows_vectorized", "built without AVX2 or AVX-512")
+
+
+@functools.cache
+def bf16_row_kernel() -> native.PagedAttentionKernel | None:
+    """As `row_kernel`, for bfloat16 rows (rows.c's row_rows_bf16): only from a build with the
+    CPU's bfloat16 dot product (AVX512_BF16), under `kernel` too, since without it there is none."""
+    return _chosen(torch.bfloat16, "rows_bf16", "built without AVX512_BF16")
+
+
+def _chosen(dtype: torch.dtype, built: str, unbuilt: str) -> native.PagedAttentionKernel | None:
+    """The library if the rule allows the kernel for `dtype`, the build has it (`built`, else
+    `unbuilt` is logged) and it passes the check; else None."""
+    what = f"{_name(dtype)} row products"
     choice = os.environ.get(ENV, "auto")
     if choice not in ("auto", "kernel", "torch"):
         raise ValueError(f"{ENV}={choice!r}: must be 'auto', 'kernel' or 'torch'")
     vendor = cpu_vendor()
     if choice == "torch" or (choice == "auto" and vendor in ("GenuineIntel", "")):
         why = f", the CPU's vendor {vendor or 'not named'}" if choice == "auto" else ""
-        log.info("float32 row products: torch's (%s=%s%s)", ENV, choice, why)
+        log.info("%s: torch's (%s=%s%s)", what, ENV, choice, why)
         return None
     try:
         kernel = native.load()
     except native.KernelUnavailable as e:
-        log.info("float32 row products: torch's (no compiled kernel: %s)", e)
+        log.info("%s: torch's (no compiled kernel: %s)", what, e)
         return None
-    if choice == "auto" and not kernel.unchecked["rows_vectorized"]():
-        log.info("float32 row products: torch's (%s was built without AVX2 or AVX-512)", kernel.path)
+    if (choice == "auto" or dtype != torch.float32) and not kernel.unchecked[built]():
+        log.info("%s: torch's (%s was %s)", what, kernel.path, unbuilt)
         return None
     try:
-        worst = max(_disagreement(kernel, *case) for case in CHECKED)
+        worst = max(_disagreement(kernel, *case, dtype=dtype) for case in CHECKED if case[2] in FORMS[dtype])
     except (OSError, ValueError, RuntimeError) as e:
-        log.warning("float32 row products: torch's (%s failed its check: %s)", kernel.path, e)
+        log.warning("%s: torch's (%s failed its check: %s)", what, kernel.path, e)
         return None
-    if not worst <= TOLERANCE:  # NaN too
-        log.warning("float32 row products: torch's (%s is off by %.3g of a sum on random rows)", kernel.path, worst)
+    if not worst <= TOLERANCE[dtype]:  # NaN too
+        log.warning("%s: torch's (%s is off by %.3g of a sum on random rows)", what, kernel.path, worst)
         return None
-    log.info("float32 row products: the compiled kernel (%s)", kernel.path)
+    log.info("%s: the compiled kernel (%s)", what, kernel.path)
     return kernel
 
 
@@ -182,16 +213,22 @@ CHECKED = (
     (64, 96, "blocks", False),
     (1536, 576, "rows", True),
     (35, 10, "row blocks", False),
+    (1537, 9, "rows", True),
+    (37, 576, "rows", False),
 )
+FORMS = {torch.float32: ("plain", "columns", "blocks", "rows", "row blocks"), torch.bfloat16: ("rows", "row blocks")}
 
 
-def _disagreement(kernel: native.PagedAttentionKernel, fan_in: int, out: int, form: str, bias: bool) -> float:
-    """The kernel's largest error against torch's x W^T + b (+ a residual) on random numbers, as a
-    share of the sum of |x_i w_ij| the output adds up."""
+def _disagreement(
+    kernel: native.PagedAttentionKernel, fan_in: int, out: int, form: str, bias: bool, *, dtype: torch.dtype
+) -> float:
+    """The kernel's largest error against torch's x W^T + b (+ a residual) on random numbers in
+    `dtype`, as a share of the sum of |x_i w_ij| the output adds up."""
     generator = torch.Generator().manual_seed(fan_in * out)
-    weight = torch.randn(out, fan_in, generator=generator)  # [out, in]
+    weight = torch.randn(out, fan_in, generator=generator).to(dtype)  # [out, in]
     x, residual = torch.randn(1, fan_in, generator=generator), torch.randn(1, out, generator=generator)
-    b = torch.randn(out, generator=generator) if bias else None
+    x, residual = x.to(dtype), residual.to(dtype)
+    b = torch.randn(out, generator=generator).to(dtype) if bias else None
     views = {
         "plain": lambda: weight.t().contiguous(),
         "columns": lambda: weight.t().contiguous().view(fan_in, 2, out // 2).permute(1, 0, 2),
@@ -204,8 +241,8 @@ def _disagreement(kernel: native.PagedAttentionKernel, fan_in: int, out: int, fo
     if layout is None or layout.rows != form.startswith("row"):
         raise ValueError(f"the {form} layout of [{out}, {fan_in}] is not the kernel's")
     bound = _Bound(kernel, layout, w, b)
-    expected = x @ weight.t() + (0 if b is None else b)
-    scale = (x.abs() @ weight.t().abs()).clamp_min(1e-30)
-    errors = ((bound.product(x) - expected).abs() / scale).max()
-    errors_added = ((bound.add_product(residual, x) - (expected + residual)).abs() / (scale + residual.abs())).max()
-    return float(max(errors, errors_added))
+    expected = x @ weight.t() + (0 if b is None else b)  # in bfloat16 rounded, then the residual added and rounded
+    scale = (x.float().abs() @ weight.float().t().abs()).clamp_min(1e-30)
+    errors = ((bound.product(x).float() - expected.float()).abs() / scale).max()
+    added = (bound.add_product(residual, x).float() - (expected + residual).float()).abs()
+    return float(max(errors, (added / (scale + residual.float().abs())).max()))

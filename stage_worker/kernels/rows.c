@@ -120,3 +120,75 @@ void layerline_row_rows(const float *restrict x, const float *restrict w, const 
         }
     }
 }
+
+/* bfloat16: y = x W^T (+ bias) (+ residual) for x [in], W [out, in] row by row, all bfloat16.
+ *
+ * The CPU's bfloat16 dot-product instruction (VDPBF16PS, AVX512_BF16) multiplies 16 pairs of
+ * inputs by 16 pairs of a row's weights and adds each pair's two products into a float32 sum:
+ * a row's weights lie in input order, pairs side by side, just as it reads them. Each thread
+ * takes an even share of the outputs, four rows at a time; a row's sum (float32, in this code's
+ * order) plus the bias is rounded to bfloat16 as torch rounds it (to nearest, ties to even), and
+ * a residual is added to that rounded value in float32 and rounded again: the two roundings of
+ * torch's `(x W^T + b) + residual`. Built only where `-march=native` has that instruction;
+ * `layerline_rows_bf16` says whether this build has it. */
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+int layerline_rows_bf16(void) { return 1; }
+
+static inline float widen(uint16_t h) {
+    union { uint32_t u; float f; } v = {.u = (uint32_t)h << 16};
+    return v.f;
+}
+
+static inline uint16_t narrow(float f) {
+    union { float f; uint32_t u; } v = {.f = f};
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40); /* NaN stays quiet NaN */
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+void layerline_row_rows_bf16(const uint16_t *restrict x, const uint16_t *restrict w, const uint16_t *restrict bias,
+                             const uint16_t *restrict residual, int64_t in, int64_t out, int threads,
+                             uint16_t *restrict y) {
+    const int64_t groups = (out + 3) / 4, whole = in / 32 * 32;
+    const __mmask32 tail = (__mmask32)((1ull << (in - whole)) - 1); /* the inputs past the last 32 */
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+        const int64_t first = groups * t / n * 4, last = groups * (t + 1) / n * 4 < out ? groups * (t + 1) / n * 4 : out;
+        for (int64_t j = first; j < last; j += 4) {
+            const int rows = last - j < 4 ? (int)(last - j) : 4;
+            const uint16_t *r[4];
+            for (int k = 0; k < 4; ++k) r[k] = w + (j + (k < rows ? k : 0)) * in; /* a short group rereads its first row */
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t i = 0; i < whole; i += 32) {
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i);
+                a0 = _mm512_dpbf16_ps(a0, xv, (__m512bh)_mm512_loadu_si512(r[0] + i));
+                a1 = _mm512_dpbf16_ps(a1, xv, (__m512bh)_mm512_loadu_si512(r[1] + i));
+                a2 = _mm512_dpbf16_ps(a2, xv, (__m512bh)_mm512_loadu_si512(r[2] + i));
+                a3 = _mm512_dpbf16_ps(a3, xv, (__m512bh)_mm512_loadu_si512(r[3] + i));
+            }
+            if (tail) {
+                const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(tail, x + whole);
+                a0 = _mm512_dpbf16_ps(a0, xv, (__m512bh)_mm512_maskz_loadu_epi16(tail, r[0] + whole));
+                a1 = _mm512_dpbf16_ps(a1, xv, (__m512bh)_mm512_maskz_loadu_epi16(tail, r[1] + whole));
+                a2 = _mm512_dpbf16_ps(a2, xv, (__m512bh)_mm512_maskz_loadu_epi16(tail, r[2] + whole));
+                a3 = _mm512_dpbf16_ps(a3, xv, (__m512bh)_mm512_maskz_loadu_epi16(tail, r[3] + whole));
+            }
+            const float sums[4] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1), _mm512_reduce_add_ps(a2),
+                                   _mm512_reduce_add_ps(a3)};
+            for (int k = 0; k < rows; ++k) {
+                float s = sums[k] + (bias ? widen(bias[j + k]) : 0.0f);
+                y[j + k] = residual ? narrow(widen(narrow(s)) + widen(residual[j + k])) : narrow(s);
+            }
+        }
+    }
+}
+#else
+int layerline_rows_bf16(void) { return 0; }
+
+void layerline_row_rows_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, const uint16_t *residual,
+                             int64_t in, int64_t out, int threads, uint16_t *y) {
+    (void)x, (void)w, (void)bias, (void)residual, (void)in, (void)out, (void)threads, (void)y; /* never called */
+}
+#endif
