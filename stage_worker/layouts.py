@@ -319,7 +319,8 @@ def apply_layouts(
         model.lm_head = LMHead.of(model.lm_head)
     if weight_layout != "plain" and can_pack(dtype, device):
         both = weight_layout == "both"
-        keep_rows = both and dtype == torch.bfloat16 and bf16_row_kernel() is not None
+        # A single row takes the kept weight on the row path alone, which runs on one rank only.
+        keep_rows = both and dtype == torch.bfloat16 and model.tp.size == 1 and bf16_row_kernel() is not None
         pack_linears(model, keep_plain=both and dtype == torch.float32, keep_rows=keep_rows)
         model.decode_path = DecodePath(model)  # a decode batch's step over the packed weights
     model.row_path = RowPath(model)  # a step of one token over the layers' row weights

@@ -115,7 +115,8 @@ def load_stage(
 
     Under tensor parallelism (`tp.size > 1`) each rank reads only its own slice of each tensor
     (sliced reads from the file, never the whole tensor then cut). `weight_layout` says
-    whether float32 linear layers on CPU are also, or only, kept packed for oneDNN (layouts.py);
+    whether float32 linear layers on CPU are also, or only, kept packed for oneDNN, and whether
+    bfloat16 ones keep their [out, in] weight for single rows beside the packed one (layouts.py);
     `quantize` ("int8", "int4") makes the linear layers and the LM head quantized instead.
     """
     check_weight_layout(weight_layout)

@@ -131,7 +131,7 @@ void layerline_row_rows(const float *restrict x, const float *restrict w, const 
  * a residual is added to that rounded value in float32 and rounded again: the two roundings of
  * torch's `(x W^T + b) + residual`. Built only where `-march=native` has that instruction;
  * `layerline_rows_bf16` says whether this build has it. */
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) /* BW: the masked 16-bit loads of a tail */
 #include <immintrin.h>
 
 int layerline_rows_bf16(void) { return 1; }
