@@ -134,6 +134,15 @@ void layerline_row_rows(const float *restrict x, const float *restrict w, const 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) /* BW: the masked 16-bit loads of a tail */
 #include <immintrin.h>
 
+/* How far ahead of its reads a thread asks for its share of W. A group of four rows is four short
+ * streams (a row of SmolLM2's 576 inputs is 18 cache lines), which the CPU's own prefetcher does
+ * not follow far enough to keep the memory busy; so each step of 32 inputs asks for the next four
+ * lines of the share in address order, this far ahead (prefetches never fault, even past W's end).
+ * Measured on 2 threads of an AMD EPYC Zen 4 (AVX512_BF16; a sum reads 38 GB/s), SmolLM2's shapes,
+ * weights far past the caches, interleaved: qkv 20.6 -> 25.2-35.7 GB/s, o 18.3 -> 28.3-30.5,
+ * gate_up 21.5 -> 32.0-36.4, down 22.5 -> 24.3-33.7; 1 KiB ahead was slower, 2-16 KiB about the same. */
+#define PREFETCH_BYTES 4096
+
 int layerline_rows_bf16(void) { return 1; }
 
 static inline float widen(uint16_t h) {
@@ -161,7 +170,13 @@ void layerline_row_rows_bf16(const uint16_t *restrict x, const uint16_t *restric
             const uint16_t *r[4];
             for (int k = 0; k < 4; ++k) r[k] = w + (j + (k < rows ? k : 0)) * in; /* a short group rereads its first row */
             __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            const char *ahead = (const char *)(w + j * in) + PREFETCH_BYTES; /* the group's 4 rows lie end to end */
             for (int64_t i = 0; i < whole; i += 32) {
+                const char *p = ahead + 8 * i; /* 4 rows x 32 inputs x 2 bytes: 256 bytes a step */
+                _mm_prefetch(p, _MM_HINT_T0);
+                _mm_prefetch(p + 64, _MM_HINT_T0);
+                _mm_prefetch(p + 128, _MM_HINT_T0);
+                _mm_prefetch(p + 192, _MM_HINT_T0);
                 const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i);
                 a0 = _mm512_dpbf16_ps(a0, xv, (__m512bh)_mm512_loadu_si512(r[0] + i));
                 a1 = _mm512_dpbf16_ps(a1, xv, (__m512bh)_mm512_loadu_si512(r[1] + i));
