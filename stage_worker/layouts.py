@@ -317,14 +317,46 @@ def apply_layouts(
         mlp.down_proj = Linear.of(mlp.down_proj, step_threads=threads)  # out < in: [out, in] is faster
     if model.lm_head is not None:
         model.lm_head = LMHead.of(model.lm_head)
-    if weight_layout != "plain" and can_pack(dtype, device):
-        both = weight_layout == "both"
-        # A single row takes the kept weight on the row path alone, which runs on one rank only.
-        keep_rows = both and dtype == torch.bfloat16 and model.tp.size == 1 and bf16_row_kernel() is not None
-        pack_linears(model, keep_plain=both and dtype == torch.float32, keep_rows=keep_rows)
+    kept = _kept(weight_layout, dtype, device, model.tp.size)
+    if kept is not None:
+        pack_linears(model, keep_plain=kept[0], keep_rows=kept[1])
         model.decode_path = DecodePath(model)  # a decode batch's step over the packed weights
     model.row_path = RowPath(model)  # a step of one token over the layers' row weights
     return model
+
+
+def _kept(weight_layout: str, dtype: torch.dtype, device: torch.device | str, tp_size: int) -> tuple[bool, bool] | None:
+    """Whether a stage packs its linear layers (None: it does not), and if so whether it keeps
+    the plain module beside each packed weight (float32's `both`) or the [out, in] weight for the
+    bfloat16 row kernel (`both` where that kernel serves: the row path, one rank only)."""
+    if weight_layout == "plain" or not can_pack(dtype, device):
+        return None
+    both = weight_layout == "both"
+    keep_rows = both and dtype == torch.bfloat16 and tp_size == 1 and bf16_row_kernel() is not None
+    return both and dtype == torch.float32, keep_rows
+
+
+def weight_copies(weight_layout: str, dtype: torch.dtype, device: torch.device | str, tp_size: int) -> int:
+    """How many copies of each linear layer's weight, and of the LM head's, a stage of `tp_size`
+    ranks keeps on this machine under `weight_layout` (`layerline plan` counts its memory by it):
+    2 where `both` keeps a second layout beside the packed one, else 1."""
+    check_weight_layout(weight_layout)
+    kept = _kept(weight_layout, dtype, device, tp_size)
+    return 1 + (kept is not None and any(kept))
+
+
+def held_bytes(model: nn.Module) -> int:
+    """Bytes of the tensors `model` holds, parameters and buffers, each memory counted once: a
+    tensor sharing another's storage (a packed layer's bias, the plain one's) adds nothing.
+    oneDNN's packed weights have no storage to compare; each is its own."""
+    storages: dict[int, int] = {}
+    for t in model.state_dict(keep_vars=True).values():
+        if t.is_mkldnn:
+            storages[id(t)] = t.numel() * t.element_size()
+        else:
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def pack_linears(model: nn.Module, *, keep_plain: bool, keep_rows: bool = False) -> None:

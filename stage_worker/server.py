@@ -40,6 +40,7 @@ from .compute import compute_thread
 from .engine import StageEngine
 from .hops import NextHops
 from .kv_cache import CacheShape, PagedKVCache
+from .layouts import held_bytes
 from .orphans import Orphans
 from .parallel import TensorParallel
 from .ranks import LeadingEngine, RankFailed, follow
@@ -145,8 +146,7 @@ class StageWorker:
                 gone=lambda: tp_group.gone(followers),
             )
             engine = LeadingEngine(self.build_engine(tp), tp.group)  # type: ignore[assignment]  # its proxy
-        held = {id(t): t for t in engine.model.state_dict(keep_vars=True).values()}  # parameters, packed weights
-        self.weights_bytes = sum(t.numel() * t.element_size() for t in held.values())
+        self.weights_bytes = held_bytes(engine.model)  # parameters, packed weights
         engine.probe()
         self.engine = engine
 

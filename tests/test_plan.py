@@ -58,6 +58,7 @@ def a_profile(**changes: object) -> MachineProfile:
         allreduce_bytes_s={"2": 2e9, "3": 1e9},
         runtime_bytes=400 * 2**20,
         cluster_compute_factor=1.0,
+        weight_copies={"float32": {"1": 2, "2": 2}, "bfloat16": {"1": 2, "2": 1}},
     )
     return replace(profile, **changes)  # type: ignore[arg-type]
 

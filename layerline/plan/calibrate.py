@@ -298,6 +298,26 @@ def measure_runtime_bytes() -> int:
     return int(done.stdout.split()[-1]) * 1024
 
 
+def kept_copies() -> dict[str, dict[str, int]]:
+    """dtype -> "1" (one rank) / "2" (a tensor-parallel rank) -> the copies of each weight matrix a
+    stage keeps on this machine under the default --weight-layout (its kernels compiled and checked)."""
+    from layerline.stage_worker.layouts import weight_copies
+    from layerline.stage_worker.settings import StageSettings
+
+    layout = StageSettings.weight_layout
+    return {
+        dtype: {
+            "1": weight_copies(layout, getattr(torch, dtype), "cpu", 1),
+            "2": weight_copies(layout, getattr(torch, dtype), "cpu", 2),
+        }
+        for dtype in DTYPES
+    }
+
+
+def _copies_line(copies: dict[str, dict[str, int]]) -> str:
+    return ", ".join(f"{d} {c['1']} on one rank, {c['2']} on a tensor-parallel one" for d, c in copies.items())
+
+
 def calibrate(checkpoint: Path, *, port: int = 7580, log: Callable[[str], None] = print) -> MachineProfile:
     cores = os.cpu_count() or 1
     log(f"CPU: {cpu_name()}, {cores} cores")
@@ -316,6 +336,8 @@ def calibrate(checkpoint: Path, *, port: int = 7580, log: Callable[[str], None] 
     )
     runtime = measure_runtime_bytes()
     log(f"a stage process besides its tensors: {runtime / 2**20:.0f} MiB")
+    copies = kept_copies()
+    log("copies of each weight matrix a stage keeps (--weight-layout both): " + _copies_line(copies))
     path = measure_path(checkpoint, port=port, tokens=PATH_TOKENS, rounds=3, log=log)
     profile = MachineProfile(
         cpu=cpu_name(),
@@ -333,6 +355,7 @@ def calibrate(checkpoint: Path, *, port: int = 7580, log: Callable[[str], None] 
         allreduce_bytes_s={k: b for k, (_, b) in allreduce.items()},
         runtime_bytes=runtime,
         cluster_compute_factor=1.0,
+        weight_copies=copies,
     )
     # A cluster's stages compute slower than the engine's steps back to back (the rates above), and
     # a chain of 2 slower still than 1 (each stage starts its step after a pause): the first is a

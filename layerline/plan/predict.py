@@ -215,7 +215,15 @@ def predict(config: ModelConfig, layout: Layout, machine: Machine, work: Workloa
     runtime = machine.profile.runtime_bytes if machine.is_cpu and machine.profile else GPU_RUNTIME_BYTES
     per_chain = max(1, math.ceil(work.concurrency / layout.dp))
     memories = [
-        memory_per_rank(config, s, work.dtype, context=work.context, concurrency=per_chain, runtime_bytes=runtime)
+        memory_per_rank(
+            config,
+            s,
+            work.dtype,
+            context=work.context,
+            concurrency=per_chain,
+            runtime_bytes=runtime,
+            copies=machine.profile.copies(work.dtype, s.tp) if machine.is_cpu and machine.profile else 1,
+        )
         for s in stages
     ]
     if machine.is_cpu:  # every rank on a host shares its RAM

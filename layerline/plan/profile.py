@@ -16,7 +16,7 @@ from typing import Any
 
 from layerline.model_store import cache_root
 
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
 MATMUL_ROWS = (1, 4, 8, 16, 64, 256)  # the row counts measured: decode steps up to prompt chunks
 # The hidden sizes whose layers the matmul rates are measured on: the embedded model's, and a wide
 # model's whose steps are nearly all streaming weights. A model between them is read in between.
@@ -57,7 +57,14 @@ class MachineProfile:
     # steps back to back): layerline's own engine between pauses, measured on the embedded model
     cluster_compute_factor: float
     runtime_bytes: int  # a stage process's memory besides weights, KV and activations
+    # dtype -> "1" (one rank) or "2" (a tensor-parallel rank) -> the copies of each weight matrix a
+    # stage keeps here under --weight-layout both (layouts.weight_copies); a dtype not named: 1
+    weight_copies: dict[str, dict[str, int]]
     version: int = PROFILE_VERSION
+
+    def copies(self, dtype: str, tp: int) -> int:
+        """The copies of each weight matrix a stage of `dtype` on `tp` ranks keeps on this machine."""
+        return self.weight_copies.get(dtype, {}).get("1" if tp == 1 else "2", 1)
 
     def matmul_rate(self, dtype: str, threads: int, rows: float, *, hidden: int = WIDE_HIDDEN) -> float:
         """Multiply-adds x2 per second at `rows` on `threads`, for layers of width `hidden`:
@@ -123,6 +130,7 @@ class MachineProfile:
         _table(raw["stage_step_s"], f"{source}: stage_step_s", depth=1)
         _table(raw["allreduce_s"], f"{source}: allreduce_s", depth=1, allow_empty=True)
         _table(raw["allreduce_bytes_s"], f"{source}: allreduce_bytes_s", depth=1, allow_empty=True)
+        _copies(raw["weight_copies"], f"{source}: weight_copies")
         if raw["allreduce_s"].keys() != raw["allreduce_bytes_s"].keys():
             raise ProfileError(f"{source}: allreduce_s and allreduce_bytes_s must name the same tp sizes")
         for name in ("cpu", "torch_version"):
@@ -167,3 +175,14 @@ def _table(value: Any, where: str, *, depth: int, allow_empty: bool = False) -> 
             _positive(inner, f"{where}[{key!r}]")
         else:
             _table(inner, f"{where}[{key!r}]", depth=depth - 1)
+
+
+def _copies(value: Any, where: str) -> None:
+    if not isinstance(value, dict):
+        raise ProfileError(f"{where} must be a JSON object")
+    for dtype, by_tp in value.items():
+        if not isinstance(by_tp, dict) or not set(by_tp) <= {"1", "2"}:
+            raise ProfileError(f'{where}[{dtype!r}] must be a JSON object of "1" and "2" (tp ranks)')
+        for tp, n in by_tp.items():
+            if n not in (1, 2) or isinstance(n, bool):
+                raise ProfileError(f"{where}[{dtype!r}][{tp!r}] = {n!r} must be 1 or 2")

@@ -4,8 +4,8 @@ Owns finding a model's config (a name of the configs shipped here, a checkpoint 
 `config.json`: no weights needed) and the arithmetic on its shapes. The counts follow how a layerline
 stage holds its tensors (stage_worker/sharding.py): a tensor-parallel rank holds 1/tp of the heads,
 of the MLP width and of the vocabulary rows; key/value heads are replicated when tp exceeds them;
-norms are whole on every rank; a tied LM head is shared with the embedding only where one stage
-holds both. Knows nothing of devices, speed or the network.
+norms are whole on every rank; the LM head is a tensor of its own, tied or not. How many layouts
+of each matrix a stage keeps is the caller's `copies`. Knows nothing of devices, speed or the network.
 """
 
 from __future__ import annotations
@@ -83,45 +83,52 @@ def can_split(config: ModelConfig, tp: int) -> bool:
     return heads % tp == 0 and config.intermediate_size % tp == 0 and (kv % tp == 0 or tp % kv == 0)
 
 
-def layer_params_per_rank(config: ModelConfig, tp: int) -> int:
-    """Parameters of one decoder layer on one of `tp` ranks."""
+def layer_matrix_params_per_rank(config: ModelConfig, tp: int) -> int:
+    """The weight matrices' parameters of one decoder layer on one of `tp` ranks: q, k, v and o
+    (q, k, v split by columns, o by rows) and the MLP's gate, up and down."""
     h, d = config.hidden_size, config.head_dim
     q = config.num_heads // tp * d
     kv = kv_heads_per_rank(config, tp) * d
-    inter = config.intermediate_size // tp
-    attention = h * q + 2 * h * kv + q * h  # q, k, v (columns split), o (rows split)
-    if config.qkv_bias:
-        attention += q + 2 * kv
-    if config.o_bias:
-        attention += h
-    mlp = 3 * h * inter + (2 * inter + h if config.mlp_bias else 0)  # gate, up, down
-    return attention + mlp + 2 * h  # and the two RMSNorms, whole on every rank
+    return h * q + 2 * h * kv + q * h + 3 * h * (config.intermediate_size // tp)
+
+
+def layer_params_per_rank(config: ModelConfig, tp: int) -> int:
+    """Parameters of one decoder layer on one of `tp` ranks: its matrices, biases and norms."""
+    h, d = config.hidden_size, config.head_dim
+    q = config.num_heads // tp * d
+    kv = kv_heads_per_rank(config, tp) * d
+    biases = (q + 2 * kv if config.qkv_bias else 0) + (h if config.o_bias else 0)
+    if config.mlp_bias:
+        biases += 2 * (config.intermediate_size // tp) + h
+    return layer_matrix_params_per_rank(config, tp) + biases + 2 * h  # and the two RMSNorms, whole on every rank
 
 
 def vocab_rows_per_rank(config: ModelConfig, tp: int) -> int:
     return -(-config.vocab_size // tp)
 
 
-def stage_params_per_rank(config: ModelConfig, stage: Placement) -> int:
-    """Parameters one rank of `stage` holds: its layers, and the embedding, norm and head it owns."""
-    params = (stage.end - stage.start) * layer_params_per_rank(config, stage.tp)
+def stage_params_per_rank(config: ModelConfig, stage: Placement, *, copies: int = 1) -> int:
+    """Parameters one rank of `stage` holds: its layers, and the embedding, norm and head it owns;
+    each weight matrix and the head `copies` times (a CPU stage's `--weight-layout both` keeps two
+    layouts of them: stage_worker/layouts.py's `weight_copies`). The head is a tensor of its own
+    even where the checkpoint ties it to the embedding: a stage lays it out in column blocks
+    (layouts.LMHead), so the two are never one tensor."""
+    layers = stage.end - stage.start
+    params = layers * (
+        layer_params_per_rank(config, stage.tp) + (copies - 1) * layer_matrix_params_per_rank(config, stage.tp)
+    )
     table = vocab_rows_per_rank(config, stage.tp) * config.hidden_size
     if stage.first:
         params += table
     if stage.last:
-        params += config.hidden_size  # the final norm
-        if not (config.tie_word_embeddings and stage.first):  # a tied head on the same stage is shared
-            params += table
+        params += config.hidden_size + copies * table  # the final norm and the head
     return params
 
 
 def streamed_params_per_token(config: ModelConfig, stage: Placement) -> int:
-    """Parameters one rank reads to advance a token: all but the embedding (a lookup of one row)."""
+    """Parameters one rank reads to advance a token: one copy of all but the embedding (a lookup of one row)."""
     table = vocab_rows_per_rank(config, stage.tp) * config.hidden_size
-    params = stage_params_per_rank(config, stage)
-    if stage.first and not (stage.last and config.tie_word_embeddings):
-        params -= table
-    return params
+    return stage_params_per_rank(config, stage) - (table if stage.first else 0)
 
 
 def kv_bytes_per_token(config: ModelConfig, stage: Placement, dtype: str) -> int:
@@ -142,11 +149,19 @@ def activation_bytes(config: ModelConfig, stage: Placement, dtype: str, *, concu
 
 
 def memory_per_rank(
-    config: ModelConfig, stage: Placement, dtype: str, *, context: int, concurrency: int, runtime_bytes: int
+    config: ModelConfig,
+    stage: Placement,
+    dtype: str,
+    *,
+    context: int,
+    concurrency: int,
+    runtime_bytes: int,
+    copies: int = 1,
 ) -> Memory:
-    """What one device of `stage` holds with `concurrency` sequences of `context` tokens on its chain."""
+    """What one device of `stage` holds with `concurrency` sequences of `context` tokens on its
+    chain, `copies` of each weight matrix (see `stage_params_per_rank`)."""
     return Memory(
-        weights=stage_params_per_rank(config, stage) * DTYPE_BYTES[dtype],
+        weights=stage_params_per_rank(config, stage, copies=copies) * DTYPE_BYTES[dtype],
         kv_cache=kv_bytes_per_token(config, stage, dtype) * context * concurrency,
         activations=activation_bytes(config, stage, dtype, concurrency=concurrency),
         runtime=runtime_bytes,
