@@ -305,6 +305,7 @@ def apply_layouts(
     check_quantize(quantize)
     if quantize != "none":
         quantize_linears(model, scheme=quantize)
+        model.row_path = RowPath(model)  # it serves where every layer offers its row products (int8's kernel)
         return model
     for layer in model.layers.values():
         assert isinstance(layer, DecoderLayer), layer

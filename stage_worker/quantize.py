@@ -2,7 +2,8 @@
 
 - `Int8Linear`: each output channel's weights as int8 with one scale, W ~ q * scale (symmetric,
   per output channel); the product runs in torch's `_weight_int8pack_mm`, or for a step of many
-  rows on CPU as a product with the codes made bfloat16 (or float32), scaled after.
+  rows on CPU as a product with the codes made bfloat16 (or float32), scaled after; a lone row of
+  a float32 model goes through the compiled kernel on the row path (`row_products`).
 - `Int4Linear`: each group of INT4_GROUP input weights of an output channel as 4-bit codes with
   a scale and an offset, W ~ (q - 8) * scale + zero (asymmetric, groupwise); the product runs in
   `_weight_int4pack_mm_for_cpu` on CPU and `_weight_int4pack_mm` on CUDA.
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .parallel import TensorParallel
+from .row_kernel import RowProducts, bind_int8
 
 INT4_GROUP = 32  # input weights sharing one int4 scale and offset (the kernels take 32, 64, 128 or 256)
 INT4_ROWS = 16  # the CPU int4 kernel packs output channels in blocks of this many (padded up to it)
@@ -100,9 +102,21 @@ class Int8Linear(nn.Module):
         super().__init__()
         codes, scales = quantize_int8(weight)
         self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype  # the activations' (the model's)
         self.register_buffer("weight_int8", codes)  # [out, in]
         self.register_buffer("scales", scales)  # [out], bfloat16
         self.register_buffer("bias", None if bias is None else bias.detach())
+
+    def row_products(self) -> RowProducts | None:
+        """(product, add_product) of a single row of a float32 model through the compiled kernel
+        (row_kernel.bind_int8: the float32 row times the codes, each output scaled once, where
+        `forward` rounds the row to bfloat16 for torch's kernel), or None where it does not serve:
+        rows.RowPath then leaves the step to the modules."""
+        if self.dtype != torch.float32:
+            return None
+        codes, scales, bias = self.weight_int8, self.scales, self.bias
+        assert isinstance(codes, torch.Tensor) and isinstance(scales, torch.Tensor)
+        return bind_int8(codes, scales, bias if isinstance(bias, torch.Tensor) else None)
 
     def dense(self) -> torch.Tensor:
         """The float32 [out, in] weight the kernel multiplies by."""

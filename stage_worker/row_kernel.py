@@ -23,6 +23,10 @@ docs/performance.md), so the rule is the vendor's:
 - `kernel`: the kernels wherever they compile (bfloat16's only with its instruction);
   `torch`: torch's products everywhere.
 
+The rows of `--quantize int8` layers (a float32 row times int8 codes, `bind_int8`) are the
+exception: under `auto` the kernel serves on Intel's CPUs too, since the other way there is not
+MKL but torch's one-row int8 kernel (`int8_row_kernel`).
+
 The kernels sum in an order of their own, so their products agree with torch's to rounding, not
 to the bit: `row_kernel()` and `bf16_row_kernel()` check that on random rows of every layout they
 take before they trust a build. `bind(weight, bias)` makes the product for one of rows.py's row
@@ -56,7 +60,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 # Relative to the sum of |x_i w_ij|: the check's bound on the kernel's rounding. A bfloat16 output
 # is rounded to 8 bits, so the kernel's and torch's may differ by a unit of it there (2^-8 of a
 # value, each rounding), hence twice that.
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2.0**-7}
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2.0**-7, torch.int8: 1e-4}  # int8: codes times float32 rows
 
 
 @dataclass(frozen=True)
@@ -173,15 +177,29 @@ def bf16_row_kernel() -> native.PagedAttentionKernel | None:
     return _chosen(torch.bfloat16, "rows_bf16", "built without AVX512_BF16")
 
 
-def _chosen(dtype: torch.dtype, built: str, unbuilt: str) -> native.PagedAttentionKernel | None:
-    """The library if the rule allows the kernel for `dtype`, the build has it (`built`, else
-    `unbuilt` is logged) and it passes the check; else None."""
+@functools.cache
+def int8_row_kernel() -> native.PagedAttentionKernel | None:
+    """As `row_kernel`, for the rows of `--quantize int8` layers (rows.c's row_rows_i8: a float32
+    row times int8 codes, each output's sum scaled once), under `auto` on every x86 CPU whose build
+    has AVX2 or AVX-512, Intel's too: the other way is torch's `_weight_int8pack_mm`, which read a
+    row's codes at 7-11 GB/s on 2 cores of an AMD EPYC Zen 4 where this kernel read them at 18-40,
+    and at 8.7 GB/s on one core of an Intel Xeon (README, "Quantized weights"). This kernel was not
+    measured on an Intel CPU."""
+    return _chosen(torch.int8, "rows_vectorized", "built without AVX2 or AVX-512", any_vendor=True)
+
+
+def _chosen(
+    dtype: torch.dtype, built: str, unbuilt: str, *, any_vendor: bool = False
+) -> native.PagedAttentionKernel | None:
+    """The library if the rule allows the kernel for `dtype` (`any_vendor`: `auto` on Intel's CPUs
+    too), the build has it (`built`, else `unbuilt` is logged) and it passes the check; else None."""
     what = f"{_name(dtype)} row products"
     choice = os.environ.get(ENV, "auto")
     if choice not in ("auto", "kernel", "torch"):
         raise ValueError(f"{ENV}={choice!r}: must be 'auto', 'kernel' or 'torch'")
     vendor = cpu_vendor()
-    if choice == "torch" or (choice == "auto" and vendor in ("GenuineIntel", "")):
+    torch_here = vendor in ("GenuineIntel", "") and not (any_vendor and vendor)  # auto's rule
+    if choice == "torch" or (choice == "auto" and torch_here):
         why = f", the CPU's vendor {vendor or 'not named'}" if choice == "auto" else ""
         log.info("%s: torch's (%s=%s%s)", what, ENV, choice, why)
         return None
@@ -194,7 +212,8 @@ def _chosen(dtype: torch.dtype, built: str, unbuilt: str) -> native.PagedAttenti
         log.info("%s: torch's (%s was %s)", what, kernel.path, unbuilt)
         return None
     try:
-        worst = max(_disagreement(kernel, *case, dtype=dtype) for case in CHECKED if case[2] in FORMS[dtype])
+        check = _disagreement_int8 if dtype == torch.int8 else _disagreement
+        worst = max(check(kernel, *case, dtype=dtype) for case in CHECKED if case[2] in FORMS[dtype])
     except (OSError, ValueError, RuntimeError) as e:
         log.warning("%s: torch's (%s failed its check: %s)", what, kernel.path, e)
         return None
@@ -219,7 +238,11 @@ CHECKED = (
     (37, 576, "rows", False),
     (33, 5, "rows", True),
 )
-FORMS = {torch.float32: ("plain", "columns", "blocks", "rows", "row blocks"), torch.bfloat16: ("rows", "row blocks")}
+FORMS = {
+    torch.float32: ("plain", "columns", "blocks", "rows", "row blocks"),
+    torch.bfloat16: ("rows", "row blocks"),
+    torch.int8: ("rows",),
+}
 
 
 def _disagreement(
@@ -249,3 +272,63 @@ def _disagreement(
     errors = ((bound.product(x).float() - expected.float()).abs() / scale).max()
     added = (bound.add_product(residual, x).float() - (expected + residual).float()).abs()
     return float(max(errors, (added / (scale + residual.float().abs())).max()))
+
+
+def _disagreement_int8(
+    kernel: native.PagedAttentionKernel, fan_in: int, out: int, form: str, bias: bool, *, dtype: torch.dtype
+) -> float:
+    """As `_disagreement`, for int8 codes [out, in] and bfloat16 scales: against torch's float32
+    product by the weight they stand for, codes * scales[:, None]."""
+    generator = torch.Generator().manual_seed(fan_in * out)
+    codes = torch.randint(-128, 128, (out, fan_in), generator=generator, dtype=torch.int8)
+    scales = (torch.rand(out, generator=generator) / 64 + 1e-3).to(torch.bfloat16)
+    x, residual = torch.randn(1, fan_in, generator=generator), torch.randn(1, out, generator=generator)
+    b = torch.randn(out, generator=generator) if bias else None
+    products = _bind_int8(kernel, codes, scales, b)
+    assert products is not None
+    weight = codes.float() * scales.float()[:, None]
+    expected = x @ weight.t() + (0 if b is None else b)
+    scale = (x.abs() @ weight.abs().t()).clamp_min(1e-30)
+    errors = ((products[0](x) - expected).abs() / scale).max()
+    added = (products[1](residual, x) - (expected + residual)).abs() / (scale + residual.abs())
+    return float(max(errors, added.max()))
+
+
+def bind_int8(codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> RowProducts | None:
+    """(product, add_product) of a single float32 row by an int8 layer (quantize.Int8Linear: codes
+    [out, in], bfloat16 scales [out], float32 bias or None) through the kernel, or None where it does
+    not serve (`int8_row_kernel`) or take them."""
+    kernel = int8_row_kernel()
+    return None if kernel is None else _bind_int8(kernel, codes, scales, bias)
+
+
+def _bind_int8(
+    kernel: native.PagedAttentionKernel, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> RowProducts | None:
+    if codes.dtype != torch.int8 or codes.dim() != 2 or not codes.is_cpu or not codes.is_contiguous():
+        return None
+    out, fan_in = codes.shape
+    if scales.shape != (out,) or not _plain(scales, torch.bfloat16):
+        return None
+    if bias is not None and not (bias.shape == (out,) and _plain(bias, torch.float32)):
+        return None
+    call = kernel.unchecked["row_rows_i8"]
+
+    def product(x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if x.shape != (1, fan_in) or x.dtype != torch.float32 or not x.is_cpu:
+            raise ValueError(f"a row of {fan_in} float32 on the CPU, not {_name(x.dtype)} {list(x.shape)}")
+        x = x if x.is_contiguous() and not x.is_neg() else x.resolve_neg().contiguous()
+        y = torch.empty(1, out)
+        b = None if bias is None else bias.data_ptr()
+        r = None if residual is None else residual.data_ptr()
+        call(
+            x.data_ptr(), codes.data_ptr(), scales.data_ptr(), b, r, fan_in, out, torch.get_num_threads(), y.data_ptr()
+        )
+        return y
+
+    def add_product(residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if residual.shape != (1, out) or not _plain(residual, torch.float32):
+            return product(x).add_(residual)
+        return product(x, residual)
+
+    return product, add_product

@@ -39,7 +39,7 @@ from .tiles import bound_product, is_packed
 # (`row_product`), or, where w is a packed weight (oneDNN's or the AMX tiles', `tiles.is_packed`),
 # x W^T + b as the modules multiply it (`RowMultiply` binds it: tiles.bound_product).
 # A linear layer that offers `row_weight(threads) -> RowWeight | None` (the CPU layouts of
-# layouts.py do) can be on the path.
+# layouts.py do), or its own `row_products()` (quantize.Int8Linear: the int8 kernel), can be on the path.
 RowWeight = tuple[torch.Tensor, torch.Tensor | None]
 
 
@@ -194,14 +194,13 @@ class RowPath:
         if model.tp.size != 1:
             return None
         layers = [_row_layer(layer, threads) for layer in model.layers.values()]
-        head = _row_weight(model.lm_head, threads) if model.lm_head is not None else None
+        head = _row_multiply(model.lm_head, threads) if model.lm_head is not None else None
         if any(layer is None for layer in layers) or (model.lm_head is not None and head is None):
             return None
         norm = model.norm.weight.detach() if model.norm is not None else None
         planned = tuple(layer for layer in layers if layer is not None)
         dtypes = {w.dtype for layer in planned for w in (layer.input_norm, layer.post_attention_norm)}
-        multiply = None if head is None else RowMultiply.of(head)
-        return _RowPlan(planned, multiply, norm, dtypes.pop() if len(dtypes) == 1 else None)
+        return _RowPlan(planned, head, norm, dtypes.pop() if len(dtypes) == 1 else None)
 
     def __call__(
         self,
@@ -262,7 +261,7 @@ def _row_layer(layer: nn.Module, threads: int) -> _RowLayer | None:
     assert isinstance(layer, DecoderLayer), layer
     attn, mlp = layer.self_attn, layer.mlp
     qkv, o, gate_up, down = (
-        _row_weight(m, threads) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        _row_multiply(m, threads) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     )
     if qkv is None or o is None or gate_up is None or down is None:
         return None
@@ -270,11 +269,20 @@ def _row_layer(layer: nn.Module, threads: int) -> _RowLayer | None:
         layer.layer_id,
         layer.input_layernorm.weight.detach(),
         layer.post_attention_layernorm.weight.detach(),
-        *(RowMultiply.of(w) for w in (qkv, o, gate_up, down)),
+        qkv,
+        o,
+        gate_up,
+        down,
     )
 
 
-def _row_weight(module: nn.Module, threads: int) -> RowWeight | None:
-    """A linear layer's `row_weight(threads)` where it offers one (see `RowWeight`)."""
+def _row_multiply(module: nn.Module, threads: int) -> RowMultiply | None:
+    """How a single row multiplies a linear layer: by its `row_weight(threads)` (see `RowWeight`),
+    or through its own `row_products()` (quantize.Int8Linear's kernel); None where it offers neither."""
+    row_products = getattr(module, "row_products", None)
+    if row_products is not None:
+        products = row_products()
+        return None if products is None else RowMultiply(*products)
     row_weight = getattr(module, "row_weight", None)
-    return None if row_weight is None else row_weight(threads)
+    weight = None if row_weight is None else row_weight(threads)
+    return None if weight is None else RowMultiply.of(weight)

@@ -1,0 +1,148 @@
+"""The compiled products of a single float32 row by `--quantize int8` layers (row_kernel.bind_int8,
+kernels/rows.c's row_rows_i8): torch's float32 product by the weight the codes stand for, to the bit
+where the sums are exact; a lone token of an int8 stage through them gives the logits of
+transformers holding the dequantized weights; refusals; the rule and the build that pick them."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from layerline.shared import cpu as shared_cpu
+from layerline.shared.model_config import LayerRange
+from layerline.stage_worker import native, row_kernel
+from layerline.stage_worker.quantize import Int8Linear
+from layerline.stage_worker.weights import load_stage
+
+from .pipeline import LocalPipeline
+from .test_quantize import _dequantized_oracle, tiny64  # noqa: F401  (tiny64: the module's fixture)
+
+
+@pytest.fixture
+def products(monkeypatch):
+    """The int8 kernel where this machine's build has it (`kernel`), for this test only; torch's
+    thread count restored after it."""
+    threads = torch.get_num_threads()
+    monkeypatch.setenv(row_kernel.ENV, "kernel")
+    row_kernel.int8_row_kernel.cache_clear()
+    kernel = row_kernel.int8_row_kernel()
+    if kernel is None:
+        pytest.skip("no compiled kernel with AVX2 or AVX-512 here")
+    yield kernel
+    row_kernel.int8_row_kernel.cache_clear()
+    torch.set_num_threads(threads)
+
+
+def _layer(out: int, fan_in: int, *, bias: bool, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Codes, power-of-two bfloat16 scales and a small-integer bias: every product and sum of a
+    small-integer row with them is exact in float32."""
+    codes = torch.randint(-128, 128, (out, fan_in), generator=generator, dtype=torch.int8)
+    scales = (2.0 ** torch.randint(-6, 1, (out,), generator=generator)).to(torch.bfloat16)
+    b = torch.randint(-50, 51, (out,), generator=generator).float() if bias else None
+    return codes, scales, b
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(
+    ("fan_in", "out", "bias"), [(576, 960, False), (1536, 576, True), (37, 96, True), (35, 7, False), (64, 1, True)]
+)
+def test_exact_sums_give_torchs_float32_products_to_the_bit(products, threads, fan_in, out, bias):
+    """On `threads` threads, inputs past the last 16 and a last group of fewer than four outputs
+    included: x (codes * scales)^T + b, and with a residual added, as torch computes them in float32."""
+    torch.set_num_threads(threads)
+    generator = torch.Generator().manual_seed(fan_in * out)
+    codes, scales, b = _layer(out, fan_in, bias=bias, generator=generator)
+    x = torch.randint(-8, 9, (1, fan_in), generator=generator).float()
+    residual = torch.randint(-1000, 1001, (1, out), generator=generator).float()
+    bound = row_kernel.bind_int8(codes, scales, b)
+    assert bound is not None
+    product, add_product = bound
+    want = x @ (codes.float() * scales.float()[:, None]).t() + (0 if b is None else b)
+    assert torch.equal(product(x), want)
+    assert torch.equal(add_product(residual, x), residual + want)
+    assert torch.equal(add_product(residual.double(), x), residual + want)  # torch adds one the kernel does not read
+
+
+def test_random_rows_are_within_float32_rounding(products):
+    generator = torch.Generator().manual_seed(7)
+    codes = torch.randint(-128, 128, (3072, 576), generator=generator, dtype=torch.int8)
+    scales = (torch.rand(3072, generator=generator) / 100).to(torch.bfloat16)
+    x = torch.randn(1, 576, generator=generator)
+    bound = row_kernel.bind_int8(codes, scales, None)
+    assert bound is not None
+    weight = codes.float() * scales.float()[:, None]
+    scale = x.abs() @ weight.abs().t()
+    assert ((bound[0](x) - x @ weight.t()).abs() / scale).max() < 1e-5
+
+
+def test_bad_rows_and_layers_are_refused(products):
+    codes = torch.zeros(8, 40, dtype=torch.int8)
+    scales = torch.ones(8, dtype=torch.bfloat16)
+    bound = row_kernel.bind_int8(codes, scales, None)
+    assert bound is not None
+    for x in (torch.zeros(1, 40, dtype=torch.bfloat16), torch.zeros(1, 39), torch.zeros(2, 40)):
+        with pytest.raises(ValueError, match="a row of 40 float32 on the CPU"):
+            bound[0](x)
+    assert row_kernel.bind_int8(codes.t(), scales, None) is None  # not [out, in] row by row
+    assert row_kernel.bind_int8(codes, scales.float(), None) is None  # scales are bfloat16
+    assert row_kernel.bind_int8(codes, scales, torch.zeros(8, dtype=torch.bfloat16)) is None  # bias float32
+    assert row_kernel.bind_int8(codes, scales[:4], None) is None
+    assert row_kernel.bind_int8(codes.float(), scales, None) is None
+
+
+def test_a_lone_token_of_an_int8_stage_gives_the_dequantized_models_logits(products, tiny64):  # noqa: F811
+    """A float32 int8 stage decodes each token through the kernel (its row path has a plan), and
+    each step's logits are those of transformers holding the weights the codes stand for, to float32
+    rounding (the modules round each layer's input to bfloat16 for torch's kernel: 2% there)."""
+    path, hf = tiny64
+    stage = load_stage(path, LayerRange(0, 4), quantize="int8")
+    assert stage.row_path is not None and stage.row_path.plan(torch.get_num_threads()) is not None
+    oracle = _dequantized_oracle(hf, stage)
+    ids = [1, 17, 42, 99, 3]
+    pipeline = LocalPipeline([stage])
+    pipeline.step({"s": ids[:1]})
+    for n in range(2, len(ids) + 1):
+        got = pipeline.step({"s": [ids[n - 1]]})[0]  # a step of one token: the row path
+        with torch.no_grad():
+            want = oracle(torch.tensor([ids[:n]])).logits[0, -1].float()
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * want.abs().max().item())
+
+
+def test_only_a_float32_int8_stage_takes_the_kernel(products, tiny64):  # noqa: F811
+    path, _ = tiny64
+    threads = torch.get_num_threads()
+    int4 = load_stage(path, LayerRange(0, 4), quantize="int4")
+    assert int4.row_path is not None and int4.row_path.plan(threads) is None  # the modules run its rows
+    half = load_stage(path, LayerRange(0, 4), dtype=torch.bfloat16, quantize="int8")
+    layer = half.layers["0"].self_attn.o_proj
+    assert isinstance(layer, Int8Linear) and layer.row_products() is None
+    assert half.row_path is not None and half.row_path.plan(threads) is None
+
+
+def test_the_build_and_the_rule_pick_the_int8_kernel(products, monkeypatch, tmp_path):
+    """`auto` takes it on Intel's CPUs as on AMD's (torch's one-row int8 kernel is the other way on
+    both); `torch` leaves torch's; a build without AVX2 or AVX-512 has no vectors for it."""
+    if platform.machine() in ("x86_64", "AMD64"):
+        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        source = next(path for path in native.SOURCES if path.name == "rows.c")
+        library = tmp_path / "rows.so"
+        subprocess.run([str(compiler), *native.FLAGS, "-o", str(library), str(source)], check=True)
+        assert ctypes.CDLL(str(library)).layerline_rows_vectorized() == 0
+    (tmp_path / "intel").write_text("processor\t: 0\nvendor_id\t: GenuineIntel\n\n")
+    (tmp_path / "amd").write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\n\n")
+    (tmp_path / "other").write_text("processor\t: 0\n\n")
+    try:
+        cases = [("intel", "auto", True), ("amd", "auto", True), ("other", "auto", False), ("intel", "torch", False)]
+        for cpu, choice, serves in cases:
+            monkeypatch.setattr(shared_cpu, "CPUINFO", tmp_path / cpu)
+            monkeypatch.setenv(row_kernel.ENV, choice)
+            row_kernel.int8_row_kernel.cache_clear()
+            assert (row_kernel.int8_row_kernel() is not None) == serves, (cpu, choice)
+    finally:
+        row_kernel.int8_row_kernel.cache_clear()
