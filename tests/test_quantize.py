@@ -248,6 +248,9 @@ def test_real_model_agrees_with_float32_greedy_tokens(real_model_dir, held_greed
     agree, total = agreement(stage, held)
     assert total == 256
     assert agree >= 0.95 * total, f"{scheme}: {agree} of {total} positions agree"
+    # One token a step, as a lone stream decodes: the row path (int8's compiled kernel where it serves).
+    by_token, _ = agreement(stage, held, by_token=True)
+    assert by_token >= 0.95 * total, f"{scheme}, one token a step: {by_token} of {total} positions agree"
 
 
 @pytest.mark.real_model

@@ -72,6 +72,7 @@ class SchemeFigures:
     prefill_ms: float  # the first token of HELD_TEXT (about 300 tokens): one step of all of them
     agreement: float  # teacher-forced argmax agreement with float32's greedy tokens
     positions: int  # positions that agreement counts
+    agreement_by_token: float  # the same fed one token a step, as a lone stream decodes (the row path)
     perplexity: float  # of HELD_TEXT
 
 
@@ -129,13 +130,22 @@ class Decoder:
         return out, time.perf_counter() - start
 
 
-def agreement(stage: StageModel, held: dict[str, tuple[list[int], list[int]]]) -> tuple[int, int]:
+def agreement(
+    stage: StageModel, held: dict[str, tuple[list[int], list[int]]], *, by_token: bool = False
+) -> tuple[int, int]:
     """(positions whose argmax is the reference token, positions): `held` maps a name to a prompt's
-    ids and the reference's greedy tokens after it, each fed whole (teacher-forced)."""
+    ids and the reference's greedy tokens after it, each fed whole (teacher-forced), or with
+    `by_token` the prompt whole and then the reference one token a step, as a lone stream decodes
+    (steps of one row: the row path, and under int8 its kernel)."""
     agree = total = 0
     for name, (prompt, reference) in held.items():
-        logits = Decoder(stage).step({name: prompt + reference}, all_logits=True)  # [prompt + ref, vocab]
-        predicted = logits[len(prompt) - 1 : len(prompt) + len(reference) - 1].argmax(-1).tolist()
+        if by_token:
+            decoder = Decoder(stage)
+            rows = [decoder.step({name: prompt})[0]] + [decoder.step({name: [t]})[0] for t in reference[:-1]]
+            predicted = torch.stack(rows).argmax(-1).tolist()
+        else:
+            logits = Decoder(stage).step({name: prompt + reference}, all_logits=True)  # [prompt + ref, vocab]
+            predicted = logits[len(prompt) - 1 : len(prompt) + len(reference) - 1].argmax(-1).tolist()
         agree += sum(p == r for p, r in zip(predicted, reference))
         total += len(reference)
     return agree, total
@@ -185,6 +195,7 @@ def run_quantize_bench(
     result = QuantizeBench(model=checkpoint.name, threads=threads, new_tokens=new_tokens, rounds=rounds, cpu=cpu_name())
     for scheme, stage in stages.items():
         agree, total = agreement(stage, held)
+        by_token, _ = agreement(stage, held, by_token=True)
         result.schemes.append(
             SchemeFigures(
                 quantize=scheme,
@@ -195,6 +206,7 @@ def run_quantize_bench(
                 prefill_ms=statistics.median(times[(scheme, 0)]),
                 agreement=agree / total,
                 positions=total,
+                agreement_by_token=by_token / total,
                 perplexity=perplexity(stage, text_ids),
             )
         )

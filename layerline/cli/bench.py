@@ -325,7 +325,8 @@ def _add_quantize(studies: Subcommands) -> None:
         "measure, in interleaved rounds: the bytes of the weights each holds, decode tokens/s of one "
         "stream and of 32 streams (the model's forward with its KV cache, no gRPC), the share of "
         "positions where each one's argmax agrees with float32's greedy token (8 held prompts x 32 "
-        "tokens, teacher-forced) and the perplexity of a held paragraph. Prints JSON with the ratios "
+        "tokens, teacher-forced: all at once, and one token a step as a lone stream decodes) and the "
+        "perplexity of a held paragraph. Prints JSON with the ratios "
         "to float32.",
         formatter_class=HelpFormatter,
     )
