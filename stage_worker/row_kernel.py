@@ -312,22 +312,22 @@ def _bind_int8(
         return None
     if bias is not None and not (bias.shape == (out,) and _plain(bias, torch.float32)):
         return None
-    call = kernel.unchecked["row_rows_i8"]
+    call = kernel.unchecked["rows_i8"]
 
     def product(x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if x.shape != (1, fan_in) or x.dtype != torch.float32 or not x.is_cpu:
-            raise ValueError(f"a row of {fan_in} float32 on the CPU, not {_name(x.dtype)} {list(x.shape)}")
+        """x (codes * scales)^T + b (+ residual) for rows x [R, in]: [R, out]."""
+        if x.dim() != 2 or x.shape[1] != fan_in or not x.shape[0] or x.dtype != torch.float32 or not x.is_cpu:
+            raise ValueError(f"rows of {fan_in} float32 on the CPU, not {_name(x.dtype)} {list(x.shape)}")
         x = x if x.is_contiguous() and not x.is_neg() else x.resolve_neg().contiguous()
-        y = torch.empty(1, out)
+        y = torch.empty(x.shape[0], out)
         b = None if bias is None else bias.data_ptr()
         r = None if residual is None else residual.data_ptr()
-        call(
-            x.data_ptr(), codes.data_ptr(), scales.data_ptr(), b, r, fan_in, out, torch.get_num_threads(), y.data_ptr()
-        )
+        threads = torch.get_num_threads()
+        call(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), b, r, x.shape[0], fan_in, out, threads, y.data_ptr())
         return y
 
     def add_product(residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        if residual.shape != (1, out) or not _plain(residual, torch.float32):
+        if residual.shape != (x.shape[0], out) or not _plain(residual, torch.float32):
             return product(x).add_(residual)
         return product(x, residual)
 

@@ -17,7 +17,7 @@ import torch
 from layerline.shared import cpu as shared_cpu
 from layerline.shared.model_config import LayerRange
 from layerline.stage_worker import native, row_kernel
-from layerline.stage_worker.quantize import Int8Linear
+from layerline.stage_worker.quantize import DEQUANTIZED_ROWS, Int8Linear
 from layerline.stage_worker.weights import load_stage
 
 from .pipeline import LocalPipeline
@@ -69,6 +69,36 @@ def test_exact_sums_give_torchs_float32_products_to_the_bit(products, threads, f
     assert torch.equal(add_product(residual.double(), x), residual + want)  # torch adds one the kernel does not read
 
 
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 9, 31])
+def test_several_rows_at_once_are_each_rows_product(products, rows):
+    """Rows in tiles of up to four share each code read: every row's product is its own, to the bit
+    where the sums are exact, a residual of its own added."""
+    generator = torch.Generator().manual_seed(rows)
+    codes, scales, b = _layer(37, 70, bias=True, generator=generator)
+    x = torch.randint(-8, 9, (rows, 70), generator=generator).float()
+    residual = torch.randint(-1000, 1001, (rows, 37), generator=generator).float()
+    product, add_product = row_kernel.bind_int8(codes, scales, b)
+    want = x @ (codes.float() * scales.float()[:, None]).t() + b
+    assert torch.equal(product(x), want)
+    assert torch.equal(add_product(residual, x), residual + want)
+    assert torch.equal(product(x[1:2]), want[1:2])
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, DEQUANTIZED_ROWS - 1])
+def test_an_int8_layer_of_a_float32_model_takes_the_kernel_below_the_dequantized_rows(products, rows):
+    """Up to DEQUANTIZED_ROWS rows `Int8Linear` multiplies float32 rows by its codes in float32
+    (torch's kernel would round them to bfloat16 first); from there on, its codes made bfloat16."""
+    torch.manual_seed(rows)
+    weight, bias = torch.randn(40, 64), torch.randn(40)
+    layer = Int8Linear(weight, bias)
+    x = torch.randn(rows, 64)
+    want = x @ layer.dense().t() + bias
+    torch.testing.assert_close(layer(x), want, rtol=0, atol=1e-5 * want.abs().max().item())
+    many = torch.randn(DEQUANTIZED_ROWS, 64)
+    far = (layer(many) - (many @ layer.dense().t() + bias)).abs().max()
+    assert far > 1e-4  # the bfloat16 path's rounding: not the kernel
+
+
 def test_random_rows_are_within_float32_rounding(products):
     generator = torch.Generator().manual_seed(7)
     codes = torch.randint(-128, 128, (3072, 576), generator=generator, dtype=torch.int8)
@@ -86,8 +116,8 @@ def test_bad_rows_and_layers_are_refused(products):
     scales = torch.ones(8, dtype=torch.bfloat16)
     bound = row_kernel.bind_int8(codes, scales, None)
     assert bound is not None
-    for x in (torch.zeros(1, 40, dtype=torch.bfloat16), torch.zeros(1, 39), torch.zeros(2, 40)):
-        with pytest.raises(ValueError, match="a row of 40 float32 on the CPU"):
+    for x in (torch.zeros(1, 40, dtype=torch.bfloat16), torch.zeros(1, 39), torch.zeros(0, 40), torch.zeros(40)):
+        with pytest.raises(ValueError, match="rows of 40 float32 on the CPU"):
             bound[0](x)
     assert row_kernel.bind_int8(codes.t(), scales, None) is None  # not [out, in] row by row
     assert row_kernel.bind_int8(codes, scales.float(), None) is None  # scales are bfloat16
@@ -112,6 +142,13 @@ def test_a_lone_token_of_an_int8_stage_gives_the_dequantized_models_logits(produ
         with torch.no_grad():
             want = oracle(torch.tensor([ids[:n]])).logits[0, -1].float()
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * want.abs().max().item())
+    # Three sequences a step (a decode batch: the modules, their layers on the kernel's rows).
+    batch = {"a": [5, 6], "b": [7], "c": [8, 9, 10]}
+    pipeline.step(batch)
+    got = pipeline.step({name: [11] for name in batch})
+    with torch.no_grad():
+        want = torch.stack([oracle(torch.tensor([[*p, 11]])).logits[0, -1].float() for p in batch.values()])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * want.abs().max().item())
 
 
 def test_only_a_float32_int8_stage_takes_the_kernel(products, tiny64):  # noqa: F811

@@ -121,53 +121,81 @@ void layerline_row_rows(const float *restrict x, const float *restrict w, const 
     }
 }
 
-/* int8 (`--quantize int8`): y = (x W^T) * scales (+ bias) (+ residual) for x [in] float32, W
- * [out, in] int8 codes row by row, scales [out] bfloat16 (a scale per output), bias, residual and
- * y float32: the weight quantize.Int8Linear multiplies by, W * scales[:, None], in float32. Each
- * code is widened to a float in the register it is read into (exact: |code| <= 128) and multiplied
- * by x in float32, four rows at a time as row_rows above; a row's sum is then scaled once. A
- * token reads a byte a weight, a quarter of float32's; as for bfloat16 below, each step of 16
- * inputs asks for the next line of the group's rows this far ahead, in address order. */
+/* int8 (`--quantize int8`): Y = (X W^T) * scales (+ bias) (+ residual) for X [rows, in] float32, W
+ * [out, in] int8 codes row by row, scales [out] bfloat16 (a scale per output), bias [out], residual
+ * and Y [rows, out] float32: the weight quantize.Int8Linear multiplies by, W * scales[:, None], in
+ * float32. Each thread takes an even share of the outputs, four at a time; each code is widened to
+ * a float in the register it is read into (exact: |code| <= 128) and multiplied by up to XB rows of
+ * X at once (a tile of 4 outputs x XB rows in registers), so that a code is read from memory once
+ * a step and widened once per XB rows; the group's codes stay in the first-level cache for the
+ * next XB rows. A row's sum is then scaled once. A token reads a byte a weight, a quarter of
+ * float32's; as for bfloat16 below, each step of 16 inputs asks for the next line of the group's
+ * codes this far ahead, in address order. */
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 #define I8_PREFETCH_BYTES 4096
 
-/* The sum over 16 inputs from i of x times each of 4 rows' codes, added to a[0..3]. */
 #if defined(__AVX512F__)
+#define XB 4 /* rows of X a tile takes: 16 accumulators of 32 registers */
 typedef __m512 acc_t;
-#define ACC_ZERO _mm512_setzero_ps()
-#define ACC_SUM(v) _mm512_reduce_add_ps(v)
-static inline void i8_step(acc_t a[4], const float *x, const int8_t *const r[4], int64_t i) {
-    const __m512 xv = _mm512_loadu_ps(x + i);
-    for (int k = 0; k < 4; ++k) {
-        const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(r[k] + i))));
-        a[k] = _mm512_fmadd_ps(xv, wv, a[k]);
-    }
+static inline acc_t acc_zero(void) { return _mm512_setzero_ps(); }
+static inline float acc_sum(acc_t v) { return _mm512_reduce_add_ps(v); }
+static inline void widen16(const int8_t *c, acc_t *w) {
+    *w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
 }
+static inline acc_t fma16(const float *x, const acc_t *w, acc_t a) { return _mm512_fmadd_ps(_mm512_loadu_ps(x), *w, a); }
 #elif defined(__AVX2__)
-typedef __m256 acc_t;
-#define ACC_ZERO _mm256_setzero_ps()
-static inline float ACC_SUM(__m256 v) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+#define XB 2 /* 16 registers: 8 accumulators of two halves */
+typedef struct { __m256 lo, hi; } acc_t;
+static inline acc_t acc_zero(void) { return (acc_t){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline float acc_sum(acc_t v) {
+    const __m256 s = _mm256_add_ps(v.lo, v.hi);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
-static inline void i8_step(acc_t a[4], const float *x, const int8_t *const r[4], int64_t i) {
-    const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
-    for (int k = 0; k < 4; ++k) {
-        const __m128i c = _mm_loadu_si128((const __m128i *)(r[k] + i));
-        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c));
-        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(c, c)));
-        a[k] = _mm256_fmadd_ps(x1, w1, _mm256_fmadd_ps(x0, w0, a[k]));
-    }
+static inline void widen16(const int8_t *c, acc_t *w) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)c);
+    w->lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+    w->hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v)));
+}
+static inline acc_t fma16(const float *x, const acc_t *w, acc_t a) {
+    return (acc_t){_mm256_fmadd_ps(_mm256_loadu_ps(x), w->lo, a.lo), _mm256_fmadd_ps(_mm256_loadu_ps(x + 8), w->hi, a.hi)};
 }
 #endif
 
-void layerline_row_rows_i8(const float *restrict x, const int8_t *restrict w, const uint16_t *restrict scales,
-                           const float *restrict bias, const float *restrict residual, int64_t in, int64_t out,
-                           int threads, float *restrict y) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+/* sums[q][k] = the vectorized part of X row q times W row k, for the `nx` rows of X from x (a
+ * constant where it is inlined: the tile's loops unrolled). */
+static inline __attribute__((always_inline)) void i8_tile(const float *x, int64_t in, int64_t whole, int nx,
+                                                          const int8_t *const r[4], const char *ahead,
+                                                          float sums[XB][4]) {
+    acc_t a[XB][4];
+    for (int q = 0; q < XB; ++q)
+        for (int k = 0; k < 4; ++k) a[q][k] = acc_zero();
+    for (int64_t i = 0; i < whole; i += 16) {
+        if (ahead) _mm_prefetch(ahead + 4 * i, _MM_HINT_T0); /* 4 rows x 16 codes: a line a step */
+        acc_t w[4];
+        for (int k = 0; k < 4; ++k) widen16(r[k] + i, &w[k]);
+        for (int q = 0; q < nx; ++q)
+            for (int k = 0; k < 4; ++k) a[q][k] = fma16(x + q * in + i, &w[k], a[q][k]);
+    }
+    for (int q = 0; q < nx; ++q)
+        for (int k = 0; k < 4; ++k) sums[q][k] = acc_sum(a[q][k]);
+}
+#endif
+
+#ifdef XB
+#define XB_ROWS XB
+#else
+#define XB_ROWS 1
+#endif
+
+void layerline_rows_i8(const float *restrict x, const int8_t *restrict w, const uint16_t *restrict scales,
+                       const float *restrict bias, const float *restrict residual, int64_t rows, int64_t in,
+                       int64_t out, int threads, float *restrict y) {
     const int64_t groups = (out + 3) / 4;
 #if defined(__AVX512F__) || defined(__AVX2__)
     const int64_t whole = in / 16 * 16;
@@ -179,26 +207,37 @@ void layerline_row_rows_i8(const float *restrict x, const int8_t *restrict w, co
         const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
         const int64_t first = groups * t / n * 4, last = groups * (t + 1) / n * 4 < out ? groups * (t + 1) / n * 4 : out;
         for (int64_t j = first; j < last; j += 4) {
-            const int rows = last - j < 4 ? (int)(last - j) : 4;
+            const int outs = last - j < 4 ? (int)(last - j) : 4;
             const int8_t *r[4];
-            for (int k = 0; k < 4; ++k) r[k] = w + (j + (k < rows ? k : 0)) * in; /* a short group rereads its first row */
-            float sums[4] = {0};
+            for (int k = 0; k < 4; ++k) r[k] = w + (j + (k < outs ? k : 0)) * in; /* a short group rereads its first row */
+            for (int64_t q0 = 0; q0 < rows; q0 += XB_ROWS) {
+                const int nx = rows - q0 < XB_ROWS ? (int)(rows - q0) : XB_ROWS;
+                const float *xq = x + q0 * in;
+                float sums[XB_ROWS][4] = {{0}};
 #if defined(__AVX512F__) || defined(__AVX2__)
-            const char *ahead = (const char *)r[0] + I8_PREFETCH_BYTES; /* the group's rows lie end to end */
-            acc_t a[4] = {ACC_ZERO, ACC_ZERO, ACC_ZERO, ACC_ZERO};
-            for (int64_t i = 0; i < whole; i += 16) {
-                _mm_prefetch(ahead + 4 * i, _MM_HINT_T0); /* 4 rows x 16 codes: a line a step */
-                i8_step(a, x, r, i);
-            }
-            for (int k = 0; k < 4; ++k) sums[k] = ACC_SUM(a[k]);
+                const char *ahead = q0 == 0 ? (const char *)r[0] + I8_PREFETCH_BYTES : 0; /* the group's rows lie end to end */
+                switch (nx) { /* each a tile with its loops unrolled */
+                case 1: i8_tile(xq, in, whole, 1, r, ahead, sums); break;
+#if XB > 1
+                case 2: i8_tile(xq, in, whole, 2, r, ahead, sums); break;
 #endif
-            for (int k = 0; k < rows; ++k) {
-                float s = sums[k];
-                for (int64_t i = whole; i < in; ++i) s += x[i] * (float)r[k][i];
-                const union { uint32_t u; float f; } scale = {.u = (uint32_t)scales[j + k] << 16};
-                s *= scale.f;
-                if (bias) s += bias[j + k];
-                y[j + k] = residual ? residual[j + k] + s : s;
+#if XB > 2
+                case 3: i8_tile(xq, in, whole, 3, r, ahead, sums); break;
+                default: i8_tile(xq, in, whole, 4, r, ahead, sums); break;
+#endif
+                }
+#endif
+                for (int q = 0; q < nx; ++q) {
+                    for (int k = 0; k < outs; ++k) {
+                        float s = sums[q][k];
+                        for (int64_t i = whole; i < in; ++i) s += xq[q * in + i] * (float)r[k][i];
+                        const union { uint32_t u; float f; } scale = {.u = (uint32_t)scales[j + k] << 16};
+                        s *= scale.f;
+                        if (bias) s += bias[j + k];
+                        const int64_t at = (q0 + q) * out + j + k;
+                        y[at] = residual ? residual[at] + s : s;
+                    }
+                }
             }
         }
     }
