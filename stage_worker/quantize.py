@@ -2,13 +2,13 @@
 
 - `Int8Linear`: each output channel's weights as int8 with one scale, W ~ q * scale (symmetric,
   per output channel); the product runs in torch's `_weight_int8pack_mm`, or for a step of many
-  rows on CPU as a product with the codes made bfloat16 (or float32), scaled after; a lone row of
-  a float32 model goes through the compiled kernel on the row path (`row_products`).
+  rows on CPU as a product with the codes made bfloat16 (or float32), scaled after; fewer rows of
+  a float32 model go through the compiled int8 kernel where it serves (`row_products`).
 - `Int4Linear`: each group of INT4_GROUP input weights of an output channel as 4-bit codes with
   a scale and an offset, W ~ (q - 8) * scale + zero (asymmetric, groupwise); the product runs in
   `_weight_int4pack_mm_for_cpu` on CPU and `_weight_int4pack_mm` on CUDA.
 
-Activations enter both kernels as bfloat16 and the result is cast back to the model's dtype:
+Activations enter both of torch's kernels as bfloat16 and the result is cast back to the model's dtype:
 on CPU these kernels are vectorized (AVX-512, AVX2) only for bfloat16 and float16 inputs, and
 float16 runs the scalar loop of the int8 one. Measured on an Intel Xeon with AVX-512 (one
 thread, the 121 products of one token of SmolLM2-135M), a float32 input makes the int8 kernel
@@ -42,8 +42,9 @@ KERNEL_DTYPE = torch.bfloat16  # the activations' and scales' dtype inside the k
 
 def _dequantized_rows() -> tuple[int, torch.dtype]:
     """From how many rows on a CPU int8 layer multiplies by its weight dequantized for the step,
-    and in which dtype. Below that a float32 model's rows go through the compiled int8 kernel
-    where it serves (row_kernel.bind_int8: it reads the codes once for up to 4 rows at a time; the
+    and in which dtype. Below that (and below 32 rows) a float32 model's rows go through the
+    compiled int8 kernel where it serves (row_kernel.bind_int8: on AVX-512 it reads the codes once
+    for up to 4 rows at a time, on AVX2 once a row from the first-level cache after the first; the
     30 layers' products on 2 cores of an AMD EPYC Zen 4, ms, against `_weight_int8pack_mm`: 1 row
     4.9 against 11.7, 2 rows 5.9 / 13.4, 4 rows 9.3 / 15.9, 8 rows 13.0 / 23.1, 16 rows 24.7 / 36.4,
     32 rows 58.8 / 68.2, where the codes made bfloat16 and multiplied by oneDNN took 44), else
@@ -59,6 +60,7 @@ def _dequantized_rows() -> tuple[int, torch.dtype]:
 
 
 DEQUANTIZED_ROWS, DEQUANTIZED_DTYPE = _dequantized_rows()
+KERNEL_ROWS = 32  # the compiled int8 kernel takes fewer rows than this and DEQUANTIZED_ROWS (see above)
 
 
 class QuantizeError(ValueError):
@@ -134,7 +136,9 @@ class Int8Linear(nn.Module):
         if x.shape[0] >= DEQUANTIZED_ROWS and x.device.type == "cpu":  # many rows: see `_dequantized_rows`
             codes = self.weight_int8.to(DEQUANTIZED_DTYPE)  # [out, in], exact
             y = (F.linear(x.to(DEQUANTIZED_DTYPE), codes) * self.scales.to(DEQUANTIZED_DTYPE)).to(x.dtype)
-        elif x.dtype == torch.float32 and x.dim() == 2 and (products := self.row_products()) is not None:
+        elif (
+            x.is_cpu and x.dtype == torch.float32 and 0 < x.shape[0] < KERNEL_ROWS and (products := self.row_products())
+        ):
             return products[0](x)  # fewer rows: see `_dequantized_rows`; the bias is the kernel's
         else:  # the kernel needs scales of the input's dtype (another dtype crashes it on CPU)
             y = torch.ops.aten._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.weight_int8, self.scales).to(x.dtype)

@@ -28,8 +28,8 @@ exception: under `auto` the kernel serves on Intel's CPUs too, since the other w
 MKL but torch's one-row int8 kernel (`int8_row_kernel`).
 
 The kernels sum in an order of their own, so their products agree with torch's to rounding, not
-to the bit: `row_kernel()` and `bf16_row_kernel()` check that on random rows of every layout they
-take before they trust a build. `bind(weight, bias)` makes the product for one of rows.py's row
+to the bit: `row_kernel()`, `bf16_row_kernel()` and `int8_row_kernel()` check that on random rows
+of every layout they take before they trust a build. `bind(weight, bias)` makes the product for one of rows.py's row
 weights (a float32 [in, out] matrix, its column blocks, or a float32 or bfloat16 [out, in]
 matrix's row blocks, by their strides), or says None where the kernel does not take it and
 torch's product stays. A bfloat16 stage keeps the [out, in] weights for it under `--weight-layout
@@ -179,13 +179,13 @@ def bf16_row_kernel() -> native.PagedAttentionKernel | None:
 
 @functools.cache
 def int8_row_kernel() -> native.PagedAttentionKernel | None:
-    """As `row_kernel`, for the rows of `--quantize int8` layers (rows.c's row_rows_i8: a float32
-    row times int8 codes, each output's sum scaled once), under `auto` on every x86 CPU whose build
-    has AVX2 or AVX-512, Intel's too: the other way is torch's `_weight_int8pack_mm`, which read a
-    row's codes at 7-11 GB/s on 2 cores of an AMD EPYC Zen 4 where this kernel read them at 18-40,
-    and at 8.7 GB/s on one core of an Intel Xeon (README, "Quantized weights"). This kernel was not
-    measured on an Intel CPU."""
-    return _chosen(torch.int8, "rows_vectorized", "built without AVX2 or AVX-512", any_vendor=True)
+    """As `row_kernel`, for the rows of `--quantize int8` layers (rows.c's layerline_rows_i8: float32
+    rows times int8 codes, each output's sum scaled once), under `auto` on every x86 CPU whose build
+    has the kernel's vectors (AVX-512, or AVX2 with FMA), Intel's too: the other way is torch's
+    `_weight_int8pack_mm`, which read a row's codes at 7-11 GB/s on 2 cores of an AMD EPYC Zen 4
+    where this kernel read them at 18-40, and at 8.7 GB/s on one core of an Intel Xeon (README,
+    "Quantized weights"). This kernel was not measured on an Intel CPU, nor its AVX2 build."""
+    return _chosen(torch.int8, "rows_i8_vectorized", "built without AVX-512 or AVX2 with FMA", any_vendor=True)
 
 
 def _chosen(
@@ -278,26 +278,30 @@ def _disagreement_int8(
     kernel: native.PagedAttentionKernel, fan_in: int, out: int, form: str, bias: bool, *, dtype: torch.dtype
 ) -> float:
     """As `_disagreement`, for int8 codes [out, in] and bfloat16 scales: against torch's float32
-    product by the weight they stand for, codes * scales[:, None]."""
+    product by the weight they stand for, codes * scales[:, None], of one row and of 5 at once (a
+    tile of 4 rows and one more where the build takes 4)."""
     generator = torch.Generator().manual_seed(fan_in * out)
     codes = torch.randint(-128, 128, (out, fan_in), generator=generator, dtype=torch.int8)
     scales = (torch.rand(out, generator=generator) / 64 + 1e-3).to(torch.bfloat16)
-    x, residual = torch.randn(1, fan_in, generator=generator), torch.randn(1, out, generator=generator)
     b = torch.randn(out, generator=generator) if bias else None
     products = _bind_int8(kernel, codes, scales, b)
     assert products is not None
     weight = codes.float() * scales.float()[:, None]
-    expected = x @ weight.t() + (0 if b is None else b)
-    scale = (x.abs() @ weight.abs().t()).clamp_min(1e-30)
-    errors = ((products[0](x) - expected).abs() / scale).max()
-    added = (products[1](residual, x) - (expected + residual)).abs() / (scale + residual.abs())
-    return float(max(errors, added.max()))
+    worst = 0.0
+    for rows in (1, 5):
+        x, residual = torch.randn(rows, fan_in, generator=generator), torch.randn(rows, out, generator=generator)
+        expected = x @ weight.t() + (0 if b is None else b)
+        scale = (x.abs() @ weight.abs().t()).clamp_min(1e-30)
+        errors = ((products[0](x) - expected).abs() / scale).max()
+        added = (products[1](residual, x) - (expected + residual)).abs() / (scale + residual.abs())
+        worst = max(worst, float(errors), float(added.max()))
+    return worst
 
 
 def bind_int8(codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> RowProducts | None:
-    """(product, add_product) of a single float32 row by an int8 layer (quantize.Int8Linear: codes
-    [out, in], bfloat16 scales [out], float32 bias or None) through the kernel, or None where it does
-    not serve (`int8_row_kernel`) or take them."""
+    """(product, add_product) of float32 rows [R, in] by an int8 layer (quantize.Int8Linear: codes
+    [out, in], bfloat16 scales [out], float32 bias or None) through the kernel, or None where it
+    does not serve (`int8_row_kernel`) or take them."""
     kernel = int8_row_kernel()
     return None if kernel is None else _bind_int8(kernel, codes, scales, bias)
 
@@ -314,8 +318,9 @@ def _bind_int8(
         return None
     call = kernel.unchecked["rows_i8"]
 
-    def product(x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x (codes * scales)^T + b (+ residual) for rows x [R, in]: [R, out]."""
+    def run(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """x (codes * scales)^T + b (+ residual) for rows x [R, in]: [R, out]; `residual`, if any,
+        checked by the caller: [R, out], float32, contiguous."""
         if x.dim() != 2 or x.shape[1] != fan_in or not x.shape[0] or x.dtype != torch.float32 or not x.is_cpu:
             raise ValueError(f"rows of {fan_in} float32 on the CPU, not {_name(x.dtype)} {list(x.shape)}")
         x = x if x.is_contiguous() and not x.is_neg() else x.resolve_neg().contiguous()
@@ -326,9 +331,12 @@ def _bind_int8(
         call(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), b, r, x.shape[0], fan_in, out, threads, y.data_ptr())
         return y
 
+    def product(x: torch.Tensor) -> torch.Tensor:
+        return run(x, None)
+
     def add_product(residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if residual.shape != (x.shape[0], out) or not _plain(residual, torch.float32):
-            return product(x).add_(residual)
-        return product(x, residual)
+            return run(x, None).add_(residual)
+        return run(x, residual)
 
     return product, add_product

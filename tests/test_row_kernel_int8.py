@@ -1,7 +1,8 @@
-"""The compiled products of a single float32 row by `--quantize int8` layers (row_kernel.bind_int8,
-kernels/rows.c's row_rows_i8): torch's float32 product by the weight the codes stand for, to the bit
-where the sums are exact; a lone token of an int8 stage through them gives the logits of
-transformers holding the dequantized weights; refusals; the rule and the build that pick them."""
+"""The compiled products of float32 rows by `--quantize int8` layers (row_kernel.bind_int8,
+kernels/rows.c's layerline_rows_i8): torch's float32 product by the weight the codes stand for, to
+the bit where the sums are exact, one row or several; a lone token and a decode batch of an int8
+stage through them give the logits of transformers holding the dequantized weights; refusals; the
+rule and the build that pick them, and the scalar loop of a build without vectors."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 from layerline.shared import cpu as shared_cpu
 from layerline.shared.model_config import LayerRange
 from layerline.stage_worker import native, row_kernel
-from layerline.stage_worker.quantize import DEQUANTIZED_ROWS, Int8Linear
+from layerline.stage_worker.quantize import DEQUANTIZED_DTYPE, DEQUANTIZED_ROWS, KERNEL_ROWS, Int8Linear
 from layerline.stage_worker.weights import load_stage
 
 from .pipeline import LocalPipeline
@@ -84,19 +85,20 @@ def test_several_rows_at_once_are_each_rows_product(products, rows):
     assert torch.equal(product(x[1:2]), want[1:2])
 
 
-@pytest.mark.parametrize("rows", [1, 2, 7, DEQUANTIZED_ROWS - 1])
-def test_an_int8_layer_of_a_float32_model_takes_the_kernel_below_the_dequantized_rows(products, rows):
-    """Up to DEQUANTIZED_ROWS rows `Int8Linear` multiplies float32 rows by its codes in float32
-    (torch's kernel would round them to bfloat16 first); from there on, its codes made bfloat16."""
+@pytest.mark.parametrize("rows", [1, 2, 7, KERNEL_ROWS - 1])
+def test_an_int8_layer_of_a_float32_model_takes_the_kernel_for_fewer_rows(products, rows):
+    """Below KERNEL_ROWS rows `Int8Linear` multiplies float32 rows by its codes in float32 (torch's
+    kernel would round them to bfloat16 first); from DEQUANTIZED_ROWS on, by its codes made
+    DEQUANTIZED_DTYPE (where that is bfloat16, the rounding shows)."""
     torch.manual_seed(rows)
     weight, bias = torch.randn(40, 64), torch.randn(40)
     layer = Int8Linear(weight, bias)
     x = torch.randn(rows, 64)
     want = x @ layer.dense().t() + bias
     torch.testing.assert_close(layer(x), want, rtol=0, atol=1e-5 * want.abs().max().item())
-    many = torch.randn(DEQUANTIZED_ROWS, 64)
+    many = torch.randn(max(DEQUANTIZED_ROWS, KERNEL_ROWS), 64)
     far = (layer(many) - (many @ layer.dense().t() + bias)).abs().max()
-    assert far > 1e-4  # the bfloat16 path's rounding: not the kernel
+    assert far > 1e-4 or DEQUANTIZED_DTYPE != torch.bfloat16  # the bfloat16 path's rounding: not the kernel
 
 
 def test_random_rows_are_within_float32_rounding(products):
@@ -164,13 +166,24 @@ def test_only_a_float32_int8_stage_takes_the_kernel(products, tiny64):  # noqa: 
 
 def test_the_build_and_the_rule_pick_the_int8_kernel(products, monkeypatch, tmp_path):
     """`auto` takes it on Intel's CPUs as on AMD's (torch's one-row int8 kernel is the other way on
-    both); `torch` leaves torch's; a build without AVX2 or AVX-512 has no vectors for it."""
+    both), not where /proc/cpuinfo names no vendor; `torch` leaves torch's. A build without
+    `-march=native` computes the same numbers, in vectors or (on plain x86-64) in its scalar loop."""
+    this_build = products.unchecked["rows_i8_vectorized"]()
+    assert this_build == 1  # the fixture's kernel serves: it has the vectors
     if platform.machine() in ("x86_64", "AMD64"):
         compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         source = next(path for path in native.SOURCES if path.name == "rows.c")
         library = tmp_path / "rows.so"
         subprocess.run([str(compiler), *native.FLAGS, "-o", str(library), str(source)], check=True)
-        assert ctypes.CDLL(str(library)).layerline_rows_vectorized() == 0
+        generic = ctypes.CDLL(str(library))
+        call = generic.layerline_rows_i8
+        call.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_void_p]
+        generator = torch.Generator().manual_seed(3)
+        codes, scales, b = _layer(9, 37, bias=True, generator=generator)
+        x = torch.randint(-8, 9, (3, 37), generator=generator).float()
+        y = torch.empty(3, 9)
+        call(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), b.data_ptr(), None, 3, 37, 9, 2, y.data_ptr())
+        assert torch.equal(y, x @ (codes.float() * scales.float()[:, None]).t() + b)
     (tmp_path / "intel").write_text("processor\t: 0\nvendor_id\t: GenuineIntel\n\n")
     (tmp_path / "amd").write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\n\n")
     (tmp_path / "other").write_text("processor\t: 0\n\n")

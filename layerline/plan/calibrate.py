@@ -337,7 +337,7 @@ def calibrate(checkpoint: Path, *, port: int = 7580, log: Callable[[str], None] 
     runtime = measure_runtime_bytes()
     log(f"a stage process besides its tensors: {runtime / 2**20:.0f} MiB")
     copies = kept_copies()
-    log("copies of each weight matrix a stage keeps (--weight-layout both): " + _copies_line(copies))
+    log("copies of each weight matrix a stage keeps under the default --weight-layout: " + _copies_line(copies))
     path = measure_path(checkpoint, port=port, tokens=PATH_TOKENS, rounds=3, log=log)
     profile = MachineProfile(
         cpu=cpu_name(),

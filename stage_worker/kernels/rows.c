@@ -1,4 +1,5 @@
-/* float32 products of a single row: y = x W^T + b (+ a residual), streaming W from memory once.
+/* Products of a single row (float32, bfloat16) or a few (int8 codes): y = x W^T + b (+ a residual),
+ * streaming W from memory once.
  *
  * Compiled with kernels/paged_attention.c into one library (native.py) and called through ctypes
  * from stage_worker/row_kernel.py, on the stage's compute thread and the OpenMP team torch's
@@ -20,7 +21,8 @@
  * extensions, 16 floats: one AVX-512 register, or two AVX2 ones, as `-march=native` allows.
  *
  * The caller checks every shape and address: for columns, block a multiple of 16 dividing out;
- * bias and residual [out] or NULL; y [out], not overlapping any input.
+ * bias and residual [out] or NULL; y [out], not overlapping any input (int8: x, residual and y
+ * [rows, out] row by row; scales [out]).
  */
 #include <stdint.h>
 #include <omp.h>
@@ -138,16 +140,18 @@ void layerline_row_rows(const float *restrict x, const float *restrict w, const 
 #define I8_PREFETCH_BYTES 4096
 
 #if defined(__AVX512F__)
+#define I8_VECTORS 1
 #define XB 4 /* rows of X a tile takes: 16 accumulators of 32 registers */
 typedef __m512 acc_t;
 static inline acc_t acc_zero(void) { return _mm512_setzero_ps(); }
 static inline float acc_sum(acc_t v) { return _mm512_reduce_add_ps(v); }
-static inline void widen16(const int8_t *c, acc_t *w) {
-    *w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
+static inline acc_t widen16(const int8_t *c) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
 }
-static inline acc_t fma16(const float *x, const acc_t *w, acc_t a) { return _mm512_fmadd_ps(_mm512_loadu_ps(x), *w, a); }
-#elif defined(__AVX2__)
-#define XB 2 /* 16 registers: 8 accumulators of two halves */
+static inline acc_t fma16(const float *x, acc_t w, acc_t a) { return _mm512_fmadd_ps(_mm512_loadu_ps(x), w, a); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define I8_VECTORS 1
+#define XB 1 /* 16 registers: 4 accumulators of two halves, a widened code's two, x's two */
 typedef struct { __m256 lo, hi; } acc_t;
 static inline acc_t acc_zero(void) { return (acc_t){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 static inline float acc_sum(acc_t v) {
@@ -156,19 +160,32 @@ static inline float acc_sum(acc_t v) {
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
-static inline void widen16(const int8_t *c, acc_t *w) {
+static inline acc_t widen16(const int8_t *c) {
     const __m128i v = _mm_loadu_si128((const __m128i *)c);
-    w->lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
-    w->hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v)));
+    return (acc_t){_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)),
+                   _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v)))};
 }
-static inline acc_t fma16(const float *x, const acc_t *w, acc_t a) {
-    return (acc_t){_mm256_fmadd_ps(_mm256_loadu_ps(x), w->lo, a.lo), _mm256_fmadd_ps(_mm256_loadu_ps(x + 8), w->hi, a.hi)};
+static inline acc_t fma16(const float *x, acc_t w, acc_t a) {
+    return (acc_t){_mm256_fmadd_ps(_mm256_loadu_ps(x), w.lo, a.lo), _mm256_fmadd_ps(_mm256_loadu_ps(x + 8), w.hi, a.hi)};
 }
+#else
+#define XB 1 /* no vectors: the scalar loop takes every input */
 #endif
 
-#if defined(__AVX512F__) || defined(__AVX2__)
+/* 1 where this build multiplies int8 codes in vectors (AVX-512, or AVX2 with FMA), 0 where only the
+ * scalar loop below is compiled in. */
+int layerline_rows_i8_vectorized(void) {
+#ifdef I8_VECTORS
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef I8_VECTORS
 /* sums[q][k] = the vectorized part of X row q times W row k, for the `nx` rows of X from x (a
- * constant where it is inlined: the tile's loops unrolled). */
+ * constant where it is inlined: the tile's loops unrolled). Each code is widened once a step and
+ * multiplied by every row of the tile before the next. */
 static inline __attribute__((always_inline)) void i8_tile(const float *x, int64_t in, int64_t whole, int nx,
                                                           const int8_t *const r[4], const char *ahead,
                                                           float sums[XB][4]) {
@@ -177,27 +194,21 @@ static inline __attribute__((always_inline)) void i8_tile(const float *x, int64_
         for (int k = 0; k < 4; ++k) a[q][k] = acc_zero();
     for (int64_t i = 0; i < whole; i += 16) {
         if (ahead) _mm_prefetch(ahead + 4 * i, _MM_HINT_T0); /* 4 rows x 16 codes: a line a step */
-        acc_t w[4];
-        for (int k = 0; k < 4; ++k) widen16(r[k] + i, &w[k]);
-        for (int q = 0; q < nx; ++q)
-            for (int k = 0; k < 4; ++k) a[q][k] = fma16(x + q * in + i, &w[k], a[q][k]);
+        for (int k = 0; k < 4; ++k) {
+            const acc_t w = widen16(r[k] + i);
+            for (int q = 0; q < nx; ++q) a[q][k] = fma16(x + q * in + i, w, a[q][k]);
+        }
     }
     for (int q = 0; q < nx; ++q)
         for (int k = 0; k < 4; ++k) sums[q][k] = acc_sum(a[q][k]);
 }
 #endif
 
-#ifdef XB
-#define XB_ROWS XB
-#else
-#define XB_ROWS 1
-#endif
-
 void layerline_rows_i8(const float *restrict x, const int8_t *restrict w, const uint16_t *restrict scales,
                        const float *restrict bias, const float *restrict residual, int64_t rows, int64_t in,
                        int64_t out, int threads, float *restrict y) {
     const int64_t groups = (out + 3) / 4;
-#if defined(__AVX512F__) || defined(__AVX2__)
+#ifdef I8_VECTORS
     const int64_t whole = in / 16 * 16;
 #else
     const int64_t whole = 0; /* no vectors: the scalar loop below takes every input */
@@ -210,11 +221,11 @@ void layerline_rows_i8(const float *restrict x, const int8_t *restrict w, const 
             const int outs = last - j < 4 ? (int)(last - j) : 4;
             const int8_t *r[4];
             for (int k = 0; k < 4; ++k) r[k] = w + (j + (k < outs ? k : 0)) * in; /* a short group rereads its first row */
-            for (int64_t q0 = 0; q0 < rows; q0 += XB_ROWS) {
-                const int nx = rows - q0 < XB_ROWS ? (int)(rows - q0) : XB_ROWS;
+            for (int64_t q0 = 0; q0 < rows; q0 += XB) {
+                const int nx = rows - q0 < XB ? (int)(rows - q0) : XB;
                 const float *xq = x + q0 * in;
-                float sums[XB_ROWS][4] = {{0}};
-#if defined(__AVX512F__) || defined(__AVX2__)
+                float sums[XB][4] = {{0}};
+#ifdef I8_VECTORS
                 const char *ahead = q0 == 0 ? (const char *)r[0] + I8_PREFETCH_BYTES : 0; /* the group's rows lie end to end */
                 switch (nx) { /* each a tile with its loops unrolled */
                 case 1: i8_tile(xq, in, whole, 1, r, ahead, sums); break;
