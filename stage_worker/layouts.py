@@ -346,20 +346,6 @@ def weight_copies(weight_layout: str, dtype: torch.dtype, device: torch.device |
     return 1 + (kept is not None and any(kept))
 
 
-def held_bytes(model: nn.Module) -> int:
-    """Bytes of the tensors `model` holds, parameters and buffers, each memory counted once: a
-    tensor sharing another's storage (a packed layer's bias, the plain one's) adds nothing.
-    oneDNN's packed weights have no storage to compare; each is its own."""
-    storages: dict[int, int] = {}
-    for t in model.state_dict(keep_vars=True).values():
-        if t.is_mkldnn:
-            storages[id(t)] = t.numel() * t.element_size()
-        else:
-            storage = t.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
-
-
 def pack_linears(model: nn.Module, *, keep_plain: bool, keep_rows: bool = False) -> None:
     """Wrap every linear layer (and the LM head) in its `PackedLinear`, once, after the layouts."""
     # Only the owners are listed, so that each plain layer not kept is freed as soon as it is packed.

@@ -40,7 +40,6 @@ from .compute import compute_thread
 from .engine import StageEngine
 from .hops import NextHops
 from .kv_cache import CacheShape, PagedKVCache
-from .layouts import held_bytes
 from .orphans import Orphans
 from .parallel import TensorParallel
 from .ranks import LeadingEngine, RankFailed, follow
@@ -48,7 +47,7 @@ from .routing import RouteGuard
 from .servicer import StageServicer, StreamLimits
 from .settings import StageSettings
 from .step_telemetry import StageTelemetry
-from .weights import load_stage, model_id
+from .weights import held_bytes, load_stage, model_id
 
 log = logging.getLogger("layerline.stage")
 

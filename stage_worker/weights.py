@@ -4,8 +4,9 @@ Owns: finding which file holds each tensor (one `model.safetensors`, or shards l
 `model.safetensors.index.json`), reading exactly the tensors a layer range owns (recorded in
 `CheckpointReader.read`, so tests can prove nothing else was touched), and under tensor
 parallelism only this rank's piece of each (the plan is sharding.py's), fusing q, k, v and
-gate, up, building a `StageModel` from them (then handing it to layouts.py), and the model id:
-a digest of the config and of every tensor's name, dtype and shape.
+gate, up, building a `StageModel` from them (then handing it to layouts.py), the model id: a
+digest of the config and of every tensor's name, dtype and shape, and the bytes a loaded stage
+holds (`held_bytes`, what its worker reports).
 
 Knows nothing of the network, of how the model is run, or of the layouts its weights take.
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
+from torch import nn
 
 from layerline.shared.model_config import ConfigError, LayerRange, ModelConfig
 
@@ -248,3 +250,17 @@ def _tensor_files(root: Path) -> dict[str, str]:
         raise CheckpointError(f"checkpoint {root} has neither {SINGLE_FILE} nor {INDEX_FILE}")
     with safe_open(str(single), framework="pt") as tensors:
         return dict.fromkeys(tensors.keys(), SINGLE_FILE)
+
+
+def held_bytes(model: nn.Module) -> int:
+    """Bytes of the tensors `model` holds, parameters and buffers, each memory counted once: a
+    tensor sharing another's storage (a packed layer's bias, the plain one's) adds nothing.
+    oneDNN's packed weights have no storage to compare; each is its own."""
+    storages: dict[int, int] = {}
+    for t in model.state_dict(keep_vars=True).values():
+        if t.is_mkldnn:
+            storages[id(t)] = t.numel() * t.element_size()
+        else:
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())

@@ -12,9 +12,9 @@ import torch
 from layerline.plan.profile import MachineProfile, ProfileError
 from layerline.plan.shapes import Placement, load_model_config, memory_per_rank
 from layerline.shared.model_config import LayerRange, ModelConfig
-from layerline.stage_worker.layouts import can_pack, held_bytes, weight_copies
+from layerline.stage_worker.layouts import can_pack, weight_copies
 from layerline.stage_worker.row_kernel import bf16_row_kernel
-from layerline.stage_worker.weights import load_stage
+from layerline.stage_worker.weights import held_bytes, load_stage
 
 from .test_plan import a_profile
 from .tiny_models import make_tiny_checkpoint
