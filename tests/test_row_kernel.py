@@ -16,20 +16,16 @@ from layerline.stage_worker import row_kernel
 from layerline.stage_worker.layouts import Linear, LMHead, StepThreads, TransposedLinear
 from layerline.stage_worker.rows import RowMultiply
 
+from .row_kernels import chosen
+
 
 @pytest.fixture
 def products(monkeypatch):
     """The kernel, chosen wherever it compiles (`kernel`), for this test only; torch's thread count
     restored after it."""
-    threads = torch.get_num_threads()
-    monkeypatch.setenv(row_kernel.ENV, "kernel")
-    row_kernel.row_kernel.cache_clear()
-    kernel = row_kernel.row_kernel()
-    if kernel is None:
-        pytest.skip("no compiled kernel here (no C compiler, or LAYERLINE_KERNELS=torch)")
-    yield kernel
-    row_kernel.row_kernel.cache_clear()
-    torch.set_num_threads(threads)
+    yield from chosen(
+        monkeypatch, row_kernel.row_kernel, "no compiled kernel here (no C compiler, or LAYERLINE_KERNELS=torch)"
+    )
 
 
 def _expected(x, weight, bias, residual=None):

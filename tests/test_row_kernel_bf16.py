@@ -14,26 +14,23 @@ import pytest
 import torch
 from torch import nn
 
-from layerline.shared import cpu as shared_cpu
 from layerline.shared.cpu import cpu_flags
 from layerline.stage_worker import native, row_kernel
 from layerline.stage_worker.layouts import Linear, LMHead, PackedLinear, StepThreads, TransposedLinear, can_pack
 from layerline.stage_worker.rows import RowMultiply
+
+from .row_kernels import assert_rule, chosen
 
 
 @pytest.fixture
 def products(monkeypatch):
     """The bfloat16 kernel where this machine's build has it (`kernel`), for this test only; torch's
     thread count restored after it."""
-    threads = torch.get_num_threads()
-    monkeypatch.setenv(row_kernel.ENV, "kernel")
-    row_kernel.bf16_row_kernel.cache_clear()
-    kernel = row_kernel.bf16_row_kernel()
-    if kernel is None:
-        pytest.skip("no compiled kernel with the CPU's bfloat16 dot product here (AVX512_BF16)")
-    yield kernel
-    row_kernel.bf16_row_kernel.cache_clear()
-    torch.set_num_threads(threads)
+    yield from chosen(
+        monkeypatch,
+        row_kernel.bf16_row_kernel,
+        "no compiled kernel with the CPU's bfloat16 dot product here (AVX512_BF16)",
+    )
 
 
 def _integers(*shape: int, generator: torch.Generator) -> torch.Tensor:
@@ -128,13 +125,5 @@ def test_the_build_and_the_rule_pick_the_bfloat16_kernel(products, monkeypatch, 
         library = tmp_path / "rows.so"
         subprocess.run([str(compiler), *native.FLAGS, "-o", str(library), str(source)], check=True)
         assert ctypes.CDLL(str(library)).layerline_rows_bf16() == 0
-    (tmp_path / "intel").write_text("processor\t: 0\nvendor_id\t: GenuineIntel\n\n")
-    (tmp_path / "amd").write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\n\n")
-    try:
-        for cpu, choice, serves in [("intel", "auto", False), ("amd", "auto", True), ("amd", "torch", False)]:
-            monkeypatch.setattr(shared_cpu, "CPUINFO", tmp_path / cpu)
-            monkeypatch.setenv(row_kernel.ENV, choice)
-            row_kernel.bf16_row_kernel.cache_clear()
-            assert (row_kernel.bf16_row_kernel() is not None) == serves, (cpu, choice)
-    finally:
-        row_kernel.bf16_row_kernel.cache_clear()
+    cases = [("intel", "auto", False), ("amd", "auto", True), ("amd", "torch", False)]
+    assert_rule(monkeypatch, tmp_path, row_kernel.bf16_row_kernel, cases)

@@ -15,13 +15,13 @@ import subprocess
 import pytest
 import torch
 
-from layerline.shared import cpu as shared_cpu
 from layerline.shared.model_config import LayerRange
 from layerline.stage_worker import native, row_kernel
 from layerline.stage_worker.quantize import DEQUANTIZED_DTYPE, DEQUANTIZED_ROWS, KERNEL_ROWS, Int8Linear
 from layerline.stage_worker.weights import load_stage
 
 from .pipeline import LocalPipeline
+from .row_kernels import assert_rule, chosen
 from .test_quantize import _dequantized_oracle, tiny64  # noqa: F401  (tiny64: the module's fixture)
 
 
@@ -29,15 +29,7 @@ from .test_quantize import _dequantized_oracle, tiny64  # noqa: F401  (tiny64: t
 def products(monkeypatch):
     """The int8 kernel where this machine's build has it (`kernel`), for this test only; torch's
     thread count restored after it."""
-    threads = torch.get_num_threads()
-    monkeypatch.setenv(row_kernel.ENV, "kernel")
-    row_kernel.int8_row_kernel.cache_clear()
-    kernel = row_kernel.int8_row_kernel()
-    if kernel is None:
-        pytest.skip("no compiled kernel with AVX2 or AVX-512 here")
-    yield kernel
-    row_kernel.int8_row_kernel.cache_clear()
-    torch.set_num_threads(threads)
+    yield from chosen(monkeypatch, row_kernel.int8_row_kernel, "no compiled kernel with AVX2 or AVX-512 here")
 
 
 def _layer(out: int, fan_in: int, *, bias: bool, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
@@ -184,15 +176,5 @@ def test_the_build_and_the_rule_pick_the_int8_kernel(products, monkeypatch, tmp_
         y = torch.empty(3, 9)
         call(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), b.data_ptr(), None, 3, 37, 9, 2, y.data_ptr())
         assert torch.equal(y, x @ (codes.float() * scales.float()[:, None]).t() + b)
-    (tmp_path / "intel").write_text("processor\t: 0\nvendor_id\t: GenuineIntel\n\n")
-    (tmp_path / "amd").write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\n\n")
-    (tmp_path / "other").write_text("processor\t: 0\n\n")
-    try:
-        cases = [("intel", "auto", True), ("amd", "auto", True), ("other", "auto", False), ("intel", "torch", False)]
-        for cpu, choice, serves in cases:
-            monkeypatch.setattr(shared_cpu, "CPUINFO", tmp_path / cpu)
-            monkeypatch.setenv(row_kernel.ENV, choice)
-            row_kernel.int8_row_kernel.cache_clear()
-            assert (row_kernel.int8_row_kernel() is not None) == serves, (cpu, choice)
-    finally:
-        row_kernel.int8_row_kernel.cache_clear()
+    cases = [("intel", "auto", True), ("amd", "auto", True), ("other", "auto", False), ("intel", "torch", False)]
+    assert_rule(monkeypatch, tmp_path, row_kernel.int8_row_kernel, cases)

@@ -97,14 +97,21 @@ static inline float total(v16 a) {
     return s;
 }
 
+/* The outputs [*first, *last) the calling OpenMP thread takes: an even share of the groups of 4. */
+static inline void group_share(int64_t out, int64_t *first, int64_t *last) {
+    const int64_t groups = (out + 3) / 4, t = omp_get_thread_num(), n = omp_get_num_threads();
+    *first = groups * t / n * 4;
+    *last = groups * (t + 1) / n * 4 < out ? groups * (t + 1) / n * 4 : out;
+}
+
 /* y = x W^T (+ bias) (+ residual), W [out, in] row by row; x [in], y [out]. */
 void layerline_row_rows(const float *restrict x, const float *restrict w, const float *restrict bias,
                         const float *restrict residual, int64_t in, int64_t out, int threads, float *restrict y) {
-    const int64_t groups = (out + 3) / 4, whole = in / 16 * 16;
+    const int64_t whole = in / 16 * 16;
 #pragma omp parallel num_threads(threads)
     {
-        const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
-        const int64_t first = groups * t / n * 4, last = groups * (t + 1) / n * 4 < out ? groups * (t + 1) / n * 4 : out;
+        int64_t first, last;
+        group_share(out, &first, &last);
         for (int64_t j = first; j < last; j += 4) {
             const int rows = last - j < 4 ? (int)(last - j) : 4;
             v16 a[4] = {{0}};
@@ -207,7 +214,6 @@ static inline __attribute__((always_inline)) void i8_tile(const float *x, int64_
 void layerline_rows_i8(const float *restrict x, const int8_t *restrict w, const uint16_t *restrict scales,
                        const float *restrict bias, const float *restrict residual, int64_t rows, int64_t in,
                        int64_t out, int threads, float *restrict y) {
-    const int64_t groups = (out + 3) / 4;
 #ifdef I8_VECTORS
     const int64_t whole = in / 16 * 16;
 #else
@@ -215,8 +221,8 @@ void layerline_rows_i8(const float *restrict x, const int8_t *restrict w, const 
 #endif
 #pragma omp parallel num_threads(threads)
     {
-        const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
-        const int64_t first = groups * t / n * 4, last = groups * (t + 1) / n * 4 < out ? groups * (t + 1) / n * 4 : out;
+        int64_t first, last;
+        group_share(out, &first, &last);
         for (int64_t j = first; j < last; j += 4) {
             const int outs = last - j < 4 ? (int)(last - j) : 4;
             const int8_t *r[4];
@@ -292,12 +298,12 @@ static inline uint16_t narrow(float f) {
 void layerline_row_rows_bf16(const uint16_t *restrict x, const uint16_t *restrict w, const uint16_t *restrict bias,
                              const uint16_t *restrict residual, int64_t in, int64_t out, int threads,
                              uint16_t *restrict y) {
-    const int64_t groups = (out + 3) / 4, whole = in / 32 * 32;
+    const int64_t whole = in / 32 * 32;
     const __mmask32 tail = (__mmask32)((1ull << (in - whole)) - 1); /* the inputs past the last 32 */
 #pragma omp parallel num_threads(threads)
     {
-        const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
-        const int64_t first = groups * t / n * 4, last = groups * (t + 1) / n * 4 < out ? groups * (t + 1) / n * 4 : out;
+        int64_t first, last;
+        group_share(out, &first, &last);
         for (int64_t j = first; j < last; j += 4) {
             const int rows = last - j < 4 ? (int)(last - j) : 4;
             const uint16_t *r[4];

@@ -1,0 +1,56 @@
+"""The compiled row kernels chosen for one test: shared by the tests of each kernel's products."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from layerline.shared import cpu as shared_cpu
+from layerline.stage_worker import native, row_kernel
+
+
+def chosen(
+    monkeypatch: pytest.MonkeyPatch, chooser: Callable[[], native.PagedAttentionKernel | None], why_not: str
+) -> Iterator[native.PagedAttentionKernel]:
+    """The library `chooser` (one of row_kernel's cached choosers) picks under
+    LAYERLINE_ROW_PRODUCTS=kernel, for one test (skipped with `why_not` where it picks none);
+    afterwards its choice is forgotten and torch's thread count restored."""
+    threads = torch.get_num_threads()
+    monkeypatch.setenv(row_kernel.ENV, "kernel")
+    chooser.cache_clear()  # type: ignore[attr-defined]
+    kernel = chooser()
+    if kernel is None:
+        pytest.skip(why_not)
+    yield kernel
+    chooser.cache_clear()  # type: ignore[attr-defined]
+    torch.set_num_threads(threads)
+
+
+CPUINFO = {  # /proc/cpuinfo of one CPU of each vendor the rule tells apart
+    "intel": "processor\t: 0\nvendor_id\t: GenuineIntel\n\n",
+    "amd": "processor\t: 0\nvendor_id\t: AuthenticAMD\n\n",
+    "other": "processor\t: 0\n\n",  # no vendor named (not x86)
+}
+
+
+def assert_rule(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    chooser: Callable[[], native.PagedAttentionKernel | None],
+    cases: list[tuple[str, str, bool]],
+) -> None:
+    """`chooser` picks its kernel, or not, as each (CPUINFO name, LAYERLINE_ROW_PRODUCTS, serves)
+    case says; its choice forgotten afterwards."""
+    for name, text in CPUINFO.items():
+        (tmp_path / name).write_text(text)
+    try:
+        for cpu, choice, serves in cases:
+            monkeypatch.setattr(shared_cpu, "CPUINFO", tmp_path / cpu)
+            monkeypatch.setenv(row_kernel.ENV, choice)
+            chooser.cache_clear()  # type: ignore[attr-defined]
+            assert (chooser() is not None) == serves, (cpu, choice)
+    finally:
+        chooser.cache_clear()  # type: ignore[attr-defined]
