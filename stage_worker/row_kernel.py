@@ -267,10 +267,19 @@ def _disagreement(
     if layout is None or layout.rows != form.startswith("row"):
         raise ValueError(f"the {form} layout of [{out}, {fan_in}] is not the kernel's")
     bound = _Bound(kernel, layout, w, b)
-    expected = x @ weight.t() + (0 if b is None else b)  # in bfloat16 rounded, then the residual added and rounded
+    return _worst((bound.product, bound.add_product), x, residual, weight, b)
+
+
+def _worst(
+    products: RowProducts, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, b: torch.Tensor | None
+) -> float:
+    """The largest error of `products` against torch's x W^T + b, and that plus `residual`, computed
+    in their dtype (bfloat16: rounded, then the residual added and rounded again), as a share of the
+    sum of |x_i w_ij| the output adds up (and of |residual|)."""
+    expected = x @ weight.t() + (0 if b is None else b)
     scale = (x.float().abs() @ weight.float().t().abs()).clamp_min(1e-30)
-    errors = ((bound.product(x).float() - expected.float()).abs() / scale).max()
-    added = (bound.add_product(residual, x).float() - (expected + residual).float()).abs()
+    errors = ((products[0](x).float() - expected.float()).abs() / scale).max()
+    added = (products[1](residual, x).float() - (expected + residual).float()).abs()
     return float(max(errors, (added / (scale + residual.float().abs())).max()))
 
 
@@ -287,15 +296,8 @@ def _disagreement_int8(
     products = _bind_int8(kernel, codes, scales, b)
     assert products is not None
     weight = codes.float() * scales.float()[:, None]
-    worst = 0.0
-    for rows in (1, 5):
-        x, residual = torch.randn(rows, fan_in, generator=generator), torch.randn(rows, out, generator=generator)
-        expected = x @ weight.t() + (0 if b is None else b)
-        scale = (x.abs() @ weight.abs().t()).clamp_min(1e-30)
-        errors = ((products[0](x) - expected).abs() / scale).max()
-        added = (products[1](residual, x) - (expected + residual)).abs() / (scale + residual.abs())
-        worst = max(worst, float(errors), float(added.max()))
-    return worst
+    rows = [(torch.randn(r, fan_in, generator=generator), torch.randn(r, out, generator=generator)) for r in (1, 5)]
+    return max(_worst(products, x, residual, weight, b) for x, residual in rows)
 
 
 def bind_int8(codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> RowProducts | None:
