@@ -18,14 +18,18 @@ docs/performance.md), so the rule is the vendor's:
 - `LAYERLINE_ROW_PRODUCTS=auto` (the default): the kernels on an x86 CPU that is not Intel's (AMD's,
   Hygon's: /proc/cpuinfo names a vendor) where they were built for it (`-march=native`): float32
   with AVX2 or AVX-512 (SSE2's narrow vectors would not beat MKL's generic code), bfloat16 with
-  AVX512_BF16; torch's products elsewhere (MKL on Intel's, where bfloat16 has AMX tiles or oneDNN;
-  on other architectures torch uses no MKL, and the kernels were not measured there);
+  AVX512_BF16; torch's products elsewhere (MKL on Intel's; on other architectures torch uses no
+  MKL, and the kernels were not measured there);
 - `kernel`: the kernels wherever they compile (bfloat16's only with its instruction);
   `torch`: torch's products everywhere.
 
-The rows of `--quantize int8` layers (a float32 row times int8 codes, `bind_int8`) are the
-exception: under `auto` the kernel serves on Intel's CPUs too, since the other way there is not
-MKL but torch's one-row int8 kernel (`int8_row_kernel`).
+Two exceptions serve on Intel's CPUs under `auto` too, where the other way is not MKL. bfloat16
+rows, unless the CPU has AMX tiles: without them oneDNN multiplies a lone bfloat16 row on the same
+bfloat16 dot product, slower (2 cores of an Intel Xeon, family 6 model 207, no AMX: SmolLM2's 30
+layers 15.8 ms through oneDNN's packed weights, 9.0 through the kernel; a lone stream 38 against 60
+tok/s); with them it was never measured against oneDNN's tiles. And the rows of `--quantize int8`
+layers (a float32 row times int8 codes, `bind_int8`), whose other way is torch's one-row int8
+kernel (`int8_row_kernel`; the same Xeon: 10.4 against 5.5 ms).
 
 The kernels sum in an order of their own, so their products agree with torch's to rounding, not
 to the bit: `row_kernel()`, `bf16_row_kernel()` and `int8_row_kernel()` check that on random rows
@@ -48,7 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
-from layerline.shared.cpu import cpu_vendor
+from layerline.shared.cpu import cpu_flags, cpu_vendor
 
 from . import native
 
@@ -173,7 +177,8 @@ def row_kernel() -> native.PagedAttentionKernel | None:
 @functools.cache
 def bf16_row_kernel() -> native.PagedAttentionKernel | None:
     """As `row_kernel`, for bfloat16 rows (rows.c's row_rows_bf16): only from a build with the
-    CPU's bfloat16 dot product (AVX512_BF16), under `kernel` too, since without it there is none."""
+    CPU's bfloat16 dot product (AVX512_BF16), under `kernel` too, since without it there is none;
+    under `auto` on Intel's CPUs too where they have no AMX tiles (the module's rule)."""
     return _chosen(torch.bfloat16, "rows_bf16", "built without AVX512_BF16")
 
 
@@ -184,8 +189,24 @@ def int8_row_kernel() -> native.PagedAttentionKernel | None:
     has the kernel's vectors (AVX-512, or AVX2 with FMA), Intel's too: the other way is torch's
     `_weight_int8pack_mm`, which read a row's codes at 7-11 GB/s on 2 cores of an AMD EPYC Zen 4
     where this kernel read them at 18-40, and at 8.7 GB/s on one core of an Intel Xeon (README,
-    "Quantized weights"). This kernel was not measured on an Intel CPU, nor its AVX2 build."""
+    "Quantized weights"); on 2 cores of an Intel Xeon without AMX (family 6 model 207) SmolLM2's 30
+    layers took 10.4 ms a row through torch's, 5.5 through this kernel. Its AVX2 build was not
+    measured."""
     return _chosen(torch.int8, "rows_i8_vectorized", "built without AVX-512 or AVX2 with FMA", any_vendor=True)
+
+
+def _torchs_under_auto(dtype: torch.dtype, *, any_vendor: bool) -> str:
+    """Why `auto` leaves `dtype`'s rows to torch on this CPU (the module's rule), or "" where the
+    kernel may serve: no vendor named; an Intel CPU, unless `any_vendor` or, for bfloat16, it has
+    no AMX tiles."""
+    vendor = cpu_vendor()
+    if not vendor:
+        return "the CPU's vendor not named"
+    if vendor != "GenuineIntel" or any_vendor:
+        return ""
+    if dtype == torch.bfloat16:
+        return f"the CPU's vendor {vendor}, with AMX tiles" if "amx_bf16" in cpu_flags() else ""
+    return f"the CPU's vendor {vendor}"
 
 
 def _chosen(
@@ -197,10 +218,9 @@ def _chosen(
     choice = os.environ.get(ENV, "auto")
     if choice not in ("auto", "kernel", "torch"):
         raise ValueError(f"{ENV}={choice!r}: must be 'auto', 'kernel' or 'torch'")
-    vendor = cpu_vendor()
-    torch_here = vendor in ("GenuineIntel", "") and not (any_vendor and vendor)  # auto's rule
+    torch_here = _torchs_under_auto(dtype, any_vendor=any_vendor)
     if choice == "torch" or (choice == "auto" and torch_here):
-        why = f", the CPU's vendor {vendor or 'not named'}" if choice == "auto" else ""
+        why = f", {torch_here}" if choice == "auto" else ""
         log.info("%s: torch's (%s=%s%s)", what, ENV, choice, why)
         return None
     try:

@@ -31,6 +31,7 @@ def chosen(
 
 CPUINFO = {  # /proc/cpuinfo of one CPU of each vendor the rule tells apart
     "intel": "processor\t: 0\nvendor_id\t: GenuineIntel\n\n",
+    "intel_amx": "processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: avx512f avx512_bf16 amx_bf16 amx_tile\n\n",
     "amd": "processor\t: 0\nvendor_id\t: AuthenticAMD\n\n",
     "other": "processor\t: 0\n\n",  # no vendor named (not x86)
 }

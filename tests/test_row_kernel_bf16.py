@@ -117,7 +117,8 @@ def test_only_rows_are_taken_in_bfloat16(products):
 
 def test_the_build_and_the_rule_pick_the_bfloat16_kernel(products, monkeypatch, tmp_path):
     """This machine's build has the bfloat16 kernel where its CPU has the instruction; one without
-    `-march=native` has none; `torch` and `auto` on an Intel CPU leave torch's products."""
+    `-march=native` has none; `torch`, and `auto` on an Intel CPU with AMX tiles or a CPU of no
+    vendor, leave torch's products; `auto` takes the kernel on an Intel CPU without AMX tiles."""
     assert products.unchecked["rows_bf16"]() == int("avx512_bf16" in cpu_flags())
     if platform.machine() in ("x86_64", "AMD64"):
         compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -125,5 +126,6 @@ def test_the_build_and_the_rule_pick_the_bfloat16_kernel(products, monkeypatch, 
         library = tmp_path / "rows.so"
         subprocess.run([str(compiler), *native.FLAGS, "-o", str(library), str(source)], check=True)
         assert ctypes.CDLL(str(library)).layerline_rows_bf16() == 0
-    cases = [("intel", "auto", False), ("amd", "auto", True), ("amd", "torch", False)]
+    cases = [("intel_amx", "auto", False), ("intel", "auto", True), ("amd", "auto", True), ("amd", "torch", False)]
+    cases += [("other", "auto", False), ("intel_amx", "kernel", True)]
     assert_rule(monkeypatch, tmp_path, row_kernel.bf16_row_kernel, cases)

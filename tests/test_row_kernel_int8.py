@@ -176,5 +176,6 @@ def test_the_build_and_the_rule_pick_the_int8_kernel(products, monkeypatch, tmp_
         y = torch.empty(3, 9)
         call(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), b.data_ptr(), None, 3, 37, 9, 2, y.data_ptr())
         assert torch.equal(y, x @ (codes.float() * scales.float()[:, None]).t() + b)
-    cases = [("intel", "auto", True), ("amd", "auto", True), ("other", "auto", False), ("intel", "torch", False)]
+    cases = [("intel", "auto", True), ("intel_amx", "auto", True), ("amd", "auto", True), ("other", "auto", False)]
+    cases += [("intel", "torch", False)]
     assert_rule(monkeypatch, tmp_path, row_kernel.int8_row_kernel, cases)
