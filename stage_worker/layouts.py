@@ -29,17 +29,20 @@ Knows the model's module names, and nothing of checkpoints, of how tensors are c
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .bf16_batches import several_rows
 from .decode_path import DecodePath
 from .llama import DecoderLayer, StageModel, StepThreads, VocabParallelEmbedding
 from .quantize import Int8Embedding, QuantizeError, quantized
 from .row_kernel import bf16_row_kernel
 from .rows import RowPath, RowWeight, row_product
 from .settings import QUANTIZE, WEIGHT_LAYOUTS  # see PackedLinear; the stage's --weight-layout, --quantize
-from .tiles import pack, packed_product
+from .tiles import bound_product, pack
 
 MANY_ROWS = 16  # from this many rows on, a matmul is worth computing as (W x^T)^T (see below)
 HEAD_BLOCKS = (8, 4, 2, 1)  # the LM head's blocks: the first of these that divides the vocabulary
@@ -244,6 +247,7 @@ class PackedLinear(nn.Module):
     memory), `both` keeps the [out, in] weight (`keep_rows`) for single rows beside the packed one:
     SmolLM2's 30 layers, one row, two threads (AMD EPYC Zen 5, 30 copies of each weight): 4.7
     against oneDNN's 5.5 ms, for twice the memory of these weights, as float32's `both` pays.
+    Where bf16_batches' kernel serves, a few rows (2 to 31) go through it on that weight too.
     """
 
     def __init__(self, plain: TransposedLinear | Linear | LMHead, *, keep_plain: bool, keep_rows: bool = False) -> None:
@@ -267,12 +271,20 @@ class PackedLinear(nn.Module):
         assert isinstance(weight, torch.Tensor) and (bias is None or isinstance(bias, torch.Tensor))
         return weight, bias
 
+    def several_rows(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """x W^T + b by the packed weight, or for a few bfloat16 rows by the [out, in] one kept for
+        single rows where bf16_batches' kernel serves (`several_rows` there); bound once."""
+        if not hasattr(self, "_several"):
+            weight, bias, kept = self.weight_packed, self.bias, self.weight_rows
+            assert isinstance(weight, torch.Tensor) and (bias is None or isinstance(bias, torch.Tensor))
+            rows = kept if isinstance(kept, torch.Tensor) else None
+            self._several = several_rows(rows, bias, bound_product(weight, bias))
+        return self._several
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.plain is not None and x.shape[0] == 1:
             return self.plain(x)
-        weight, bias = self.weight_packed, self.bias
-        assert isinstance(weight, torch.Tensor) and (bias is None or isinstance(bias, torch.Tensor))
-        return packed_product(x, weight, bias)
+        return self.several_rows()(x)
 
 
 def check_weight_layout(weight_layout: str) -> None:

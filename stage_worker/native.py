@@ -71,6 +71,7 @@ SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "row_rows": ([_P, _P, _P, _P, _I, _I, _INT, _P], None),
     "rows_bf16": ([], _INT),
     "row_rows_bf16": ([_P, _P, _P, _P, _I, _I, _INT, _P], None),
+    "rows_bf16_batch": ([_P, _P, _P, _I, _I, _I, _INT, _P], _INT),
     "rows_i8_vectorized": ([], _INT),
     "rows_i8": ([_P, _P, _P, _P, _P, _I, _I, _I, _INT, _P], None),
 }

@@ -214,11 +214,35 @@ def _chosen(
 ) -> native.PagedAttentionKernel | None:
     """The library if the rule allows the kernel for `dtype` (`any_vendor`: `auto` on Intel's CPUs
     too), the build has it (`built`, else `unbuilt` is logged) and it passes the check; else None."""
-    what = f"{_name(dtype)} row products"
+
+    def worst(kernel: native.PagedAttentionKernel) -> float:
+        check = _disagreement_int8 if dtype == torch.int8 else _disagreement
+        return max(check(kernel, *case, dtype=dtype) for case in CHECKED if case[2] in FORMS[dtype])
+
+    what, torch_here = f"{_name(dtype)} row products", _torchs_under_auto(dtype, any_vendor=any_vendor)
+    generic = dtype == torch.float32  # the float32 kernels compile without wide vectors too
+    return checked_kernel(
+        what, built, unbuilt, torch_here=torch_here, worst=worst, tolerance=TOLERANCE[dtype], generic=generic
+    )
+
+
+def checked_kernel(
+    what: str,
+    built: str,
+    unbuilt: str,
+    *,
+    torch_here: str,
+    worst: Callable[[native.PagedAttentionKernel], float],
+    tolerance: float,
+    generic: bool = False,
+) -> native.PagedAttentionKernel | None:
+    """The compiled library for `what` under LAYERLINE_ROW_PRODUCTS (`torch_here`: why `auto` leaves
+    torch's products on this CPU, "" where it does not), where the build has it (`built`, else
+    `unbuilt` is logged; `generic`: `kernel` takes a build without it) and its `worst` error on
+    random rows is within `tolerance`; else None, logged."""
     choice = os.environ.get(ENV, "auto")
     if choice not in ("auto", "kernel", "torch"):
         raise ValueError(f"{ENV}={choice!r}: must be 'auto', 'kernel' or 'torch'")
-    torch_here = _torchs_under_auto(dtype, any_vendor=any_vendor)
     if choice == "torch" or (choice == "auto" and torch_here):
         why = f", {torch_here}" if choice == "auto" else ""
         log.info("%s: torch's (%s=%s%s)", what, ENV, choice, why)
@@ -228,17 +252,16 @@ def _chosen(
     except native.KernelUnavailable as e:
         log.info("%s: torch's (no compiled kernel: %s)", what, e)
         return None
-    if (choice == "auto" or dtype != torch.float32) and not kernel.unchecked[built]():
+    if (choice == "auto" or not generic) and not kernel.unchecked[built]():
         log.info("%s: torch's (%s was %s)", what, kernel.path, unbuilt)
         return None
     try:
-        check = _disagreement_int8 if dtype == torch.int8 else _disagreement
-        worst = max(check(kernel, *case, dtype=dtype) for case in CHECKED if case[2] in FORMS[dtype])
+        error = worst(kernel)
     except (OSError, ValueError, RuntimeError) as e:
         log.warning("%s: torch's (%s failed its check: %s)", what, kernel.path, e)
         return None
-    if not worst <= TOLERANCE[dtype]:  # NaN too
-        log.warning("%s: torch's (%s is off by %.3g of a sum on random rows)", what, kernel.path, worst)
+    if not error <= tolerance:  # NaN too
+        log.warning("%s: torch's (%s is off by %.3g of a sum on random rows)", what, kernel.path, error)
         return None
     log.info("%s: the compiled kernel (%s)", what, kernel.path)
     return kernel
