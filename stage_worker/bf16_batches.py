@@ -66,9 +66,7 @@ def several_rows(weight: torch.Tensor | None, bias: torch.Tensor | None, packed:
     None) for 2 <= R < BATCH_ROWS bfloat16 rows where it serves and takes the weight and bias;
     `packed` (the same product by the packed weight) for any other rows, or where it does not."""
     kernel = bf16_batch_kernel()
-    import os  # TEMP
-
-    if kernel is None or weight is None or os.environ.get("LL_NO_BATCH"):
+    if kernel is None or weight is None:
         return packed
     products = _bind(kernel, weight, bias)
     if products is None:

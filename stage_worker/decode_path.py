@@ -38,8 +38,8 @@ from .llama import DecoderLayer, StageModel
 from .step_kernels import bind
 from .tiles import is_packed
 
-# x -> x W^T + b by a packed weight (oneDNN's or the tiles') and its bias, as `PackedLinear.forward`
-# computes it, its checks made once (tiles.bound_product).
+# x -> x W^T + b by a packed weight (oneDNN's or the tiles') and its bias, or for a few bfloat16 rows
+# by the [out, in] weight, as `PackedLinear.forward` computes it (`several_rows`), its checks made once.
 Packed = Callable[[torch.Tensor], torch.Tensor]
 
 

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .bf16_batches import several_rows
+from . import bf16_batches
 from .decode_path import DecodePath
 from .llama import DecoderLayer, StageModel, StepThreads, VocabParallelEmbedding
 from .quantize import Int8Embedding, QuantizeError, quantized
@@ -254,10 +254,13 @@ class PackedLinear(nn.Module):
         super().__init__()
         # Detached: an autograd graph from the packed weight would keep the plain one alive.
         dense = plain.dense().detach().contiguous()  # [out, in]
-        self.register_buffer("weight_packed", pack(dense))
-        self.register_buffer("weight_rows", dense if keep_rows and not keep_plain else None)
-        self.register_buffer("bias", None if plain.bias is None else plain.bias.detach().contiguous())
+        packed, rows = pack(dense), dense if keep_rows and not keep_plain else None
+        bias = None if plain.bias is None else plain.bias.detach().contiguous()
+        self.register_buffer("weight_packed", packed)
+        self.register_buffer("weight_rows", rows)
+        self.register_buffer("bias", bias)
         self.plain = plain if keep_plain else None
+        self._several = bf16_batches.several_rows(rows, bias, bound_product(packed, bias))
 
     def row_weight(self, threads: int) -> RowWeight:
         """The plain layer's, when it is kept; else the [out, in] weight kept for single rows, seen
@@ -273,12 +276,8 @@ class PackedLinear(nn.Module):
 
     def several_rows(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """x W^T + b by the packed weight, or for a few bfloat16 rows by the [out, in] one kept for
-        single rows where bf16_batches' kernel serves (`several_rows` there); bound once."""
-        if not hasattr(self, "_several"):
-            weight, bias, kept = self.weight_packed, self.bias, self.weight_rows
-            assert isinstance(weight, torch.Tensor) and (bias is None or isinstance(bias, torch.Tensor))
-            rows = kept if isinstance(kept, torch.Tensor) else None
-            self._several = several_rows(rows, bias, bound_product(weight, bias))
+        single rows where bf16_batches' kernel serves; bound at construction (the buffers are
+        never replaced: a stage's weights stay where they were loaded)."""
         return self._several
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

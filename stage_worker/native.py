@@ -46,7 +46,9 @@ from layerline.model_store.store import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).parent / "kernels" / name for name in ("paged_attention.c", "tiles.c", "rows.c"))
+SOURCES = tuple(
+    Path(__file__).parent / "kernels" / name for name in ("paged_attention.c", "tiles.c", "rows.c", "int4.c")
+)
 ENV = "LAYERLINE_KERNELS"  # "auto" (the default): compile and use the kernel; "torch": torch's path only
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 FLAG_SETS = (("-march=native", *FLAGS), FLAGS)  # tried in order
@@ -74,6 +76,8 @@ SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "rows_bf16_batch": ([_P, _P, _P, _I, _I, _I, _INT, _P], _INT),
     "rows_i8_vectorized": ([], _INT),
     "rows_i8": ([_P, _P, _P, _P, _P, _I, _I, _I, _INT, _P], None),
+    "rows_i4_vectorized": ([], _INT),
+    "rows_i4": ([_P, _P, _P, _P, _P, _I, _I, _I, _I, _INT, _P], None),
 }
 
 

@@ -6,7 +6,8 @@
   a float32 model go through the compiled int8 kernel where it serves (`row_products`).
 - `Int4Linear`: each group of INT4_GROUP input weights of an output channel as 4-bit codes with
   a scale and an offset, W ~ (q - 8) * scale + zero (asymmetric, groupwise); the product runs in
-  `_weight_int4pack_mm_for_cpu` on CPU and `_weight_int4pack_mm` on CUDA.
+  `_weight_int4pack_mm_for_cpu` on CPU and `_weight_int4pack_mm` on CUDA; fewer than 4 rows of a
+  float32 model go through the compiled int4 kernel where it serves (`row_products`, int4_rows.py).
 
 Activations enter both of torch's kernels as bfloat16 and the result is cast back to the model's dtype:
 on CPU these kernels are vectorized (AVX-512, AVX2) only for bfloat16 and float16 inputs, and
@@ -31,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .int4_rows import KERNEL_ROWS as INT4_KERNEL_ROWS
+from .int4_rows import bind_int4
 from .parallel import TensorParallel
 from .row_kernel import RowProducts, bind_int8
 
@@ -157,6 +160,7 @@ class Int4Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype  # the activations' (the model's)
         padded = -(-self.out_features // INT4_ROWS) * INT4_ROWS
         weight = torch.nn.functional.pad(weight.detach(), (0, 0, 0, padded - self.out_features))  # [padded, in]
         codes, scales_and_zeros = quantize_int4(weight)
@@ -172,7 +176,13 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach())
 
     def dense(self) -> torch.Tensor:
-        """The float32 [out, in] weight the kernel multiplies by (unpacked by multiplying the identity)."""
+        """The float32 [out, in] weight the kernel multiplies by, unpacked by multiplying the
+        identity: through the compiled kernel where it serves ((q - 8) * scale + offset in float32),
+        else through torch's (that rounded to bfloat16)."""
+        if self.row_products() and (
+            unbiased := bind_int4(self.weight_int4, self.scales_and_zeros, None, self.out_features)
+        ):
+            return unbiased[0](torch.eye(self.in_features)).t().contiguous()
         eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE, device=self.weight_int4.device)
         return self._product(eye).float().t()[: self.out_features].contiguous()
 
@@ -184,7 +194,26 @@ class Int4Linear(nn.Module):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight_int4, INT4_GROUP, self.scales_and_zeros)
         return y[:, : self.out_features]
 
+    def row_products(self) -> RowProducts | None:
+        """(product, add_product) of rows of a float32 model through the compiled kernel
+        (int4_rows.bind_int4: the float32 rows times the codes where they lie, where torch's
+        kernel takes the rows rounded to bfloat16), or None where it does not serve."""
+        if not hasattr(self, "_products"):
+            packed, sz, bias = self.weight_int4, self.scales_and_zeros, self.bias
+            assert isinstance(packed, torch.Tensor) and isinstance(sz, torch.Tensor)
+            serves = self.dtype == torch.float32 and not self.on_cuda
+            bias = bias if isinstance(bias, torch.Tensor) else None
+            self._products = bind_int4(packed, sz, bias, self.out_features) if serves else None
+        return self._products
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            x.is_cpu
+            and x.dtype == torch.float32
+            and 0 < x.shape[0] < INT4_KERNEL_ROWS
+            and (products := self.row_products())
+        ):
+            return products[0](x)  # the bias is the kernel's
         y = self._product(x.to(KERNEL_DTYPE)).to(x.dtype)
         return y + self.bias if self.bias is not None else y
 

@@ -12,6 +12,7 @@ import pytest
 from layerline.bench.machine import FLAGS, this_machine
 from layerline.bench.run import BenchResult
 from layerline.stage_worker.bf16_batches import bf16_batch_kernel
+from layerline.stage_worker.int4_rows import int4_row_kernel
 from layerline.stage_worker.paged_attention import compiled_kernel
 from layerline.stage_worker.row_kernel import bf16_row_kernel, int8_row_kernel, row_kernel
 from layerline.stage_worker.tiles import tile_kernel
@@ -35,6 +36,7 @@ def test_the_bench_records_the_cpu_and_the_kernels_that_served():
         "float32_row_products": "compiled" if row_kernel() is not None else "torch",
         "bfloat16_row_products": "compiled" if bf16_row_kernel() is not None else "torch",
         "int8_row_products": "compiled" if int8_row_kernel() is not None else "torch",
+        "int4_row_products": "compiled" if int4_row_kernel() is not None else "torch",
         "bfloat16_batch_products": "compiled" if bf16_batch_kernel() is not None else "onednn",
     }
     result = BenchResult(model="m", dtype="bfloat16", threads=2, new_tokens=1, rounds=1, machine=machine)

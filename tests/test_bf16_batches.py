@@ -107,9 +107,9 @@ def test_a_bfloat16_stages_decode_batch_goes_through_it_within_a_rounding_of_one
     calls = []
     bind = bf16_batches._bind
 
-    def counted(*args):
-        product = bind(*args)
-        return None if product is None else (lambda x: calls.append(x.shape[0]) or product(x))
+    def counted(kernel, weight, bias):
+        product = bind(kernel, weight, bias)
+        return None if product is None else (lambda x: calls.append((x.shape[0], weight.shape[0])) or product(x))
 
     monkeypatch.setattr(bf16_batches, "_bind", counted)
     ours = load_stage(tmp_path, LayerRange(0, 2), dtype=torch.bfloat16)
@@ -136,7 +136,9 @@ def test_a_bfloat16_stages_decode_batch_goes_through_it_within_a_rounding_of_one
                 )
             new = [[int(row.argmax())] for row in out]
         logits[name] = out.float()
-    assert set(calls) == {11, 3} and isinstance(ours.decode_path, decode_path.DecodePath)
+    head = ours.lm_head.weight_rows.shape[0]
+    assert {rows for rows, _ in calls} == {11, 3} and (3, head) in calls  # the LM head's 3 logit rows too
+    assert isinstance(ours.decode_path, decode_path.DecodePath)
     scale = logits["theirs"].abs().max()
     assert float((logits["ours"] - logits["theirs"]).abs().max()) <= 0.02 * float(scale)
     assert torch.equal(logits["ours"].argmax(-1), logits["theirs"].argmax(-1))

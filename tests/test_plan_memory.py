@@ -95,6 +95,7 @@ def test_a_profile_with_bad_copies_is_refused(bad, says) -> None:
         MachineProfile.from_dict(raw)
     assert says in str(e.value)
     raw.pop("weight_copies")
-    raw["version"] = 3  # a profile from before the copies were counted is refused by its version
-    with pytest.raises(ProfileError, match="version 3, this layerline reads 4: calibrate again"):
-        MachineProfile.from_dict(raw)
+    for old in (3, 4):  # before the copies were counted; before bfloat16 kept 2 on Intel without AMX
+        raw["version"] = old
+        with pytest.raises(ProfileError, match=f"version {old}, this layerline reads 5: calibrate again"):
+            MachineProfile.from_dict(raw)

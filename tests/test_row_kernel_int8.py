@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from layerline.shared.model_config import LayerRange
-from layerline.stage_worker import native, row_kernel
+from layerline.stage_worker import int4_rows, native, row_kernel
 from layerline.stage_worker.quantize import DEQUANTIZED_DTYPE, DEQUANTIZED_ROWS, KERNEL_ROWS, Int8Linear
 from layerline.stage_worker.weights import load_stage
 
@@ -149,7 +149,8 @@ def test_only_a_float32_int8_stage_takes_the_kernel(products, tiny64):  # noqa: 
     path, _ = tiny64
     threads = torch.get_num_threads()
     int4 = load_stage(path, LayerRange(0, 4), quantize="int4")
-    assert int4.row_path is not None and int4.row_path.plan(threads) is None  # the modules run its rows
+    serves = int4_rows.int4_row_kernel() is not None  # int4's own kernel (tests/test_int4_rows.py)
+    assert int4.row_path is not None and (int4.row_path.plan(threads) is not None) == serves
     half = load_stage(path, LayerRange(0, 4), dtype=torch.bfloat16, quantize="int8")
     layer = half.layers["0"].self_attn.o_proj
     assert isinstance(layer, Int8Linear) and layer.row_products() is None

@@ -4,10 +4,10 @@ The figures differ from machine to machine (bfloat16 instructions or not, AMX or
 records the CPU's model, its logical CPUs, the instruction sets the kernels depend on, and which
 way the stages computed: the compiled decode attention or torch's operations, bfloat16 products
 on AMX tiles (stage_worker/tiles.py) or oneDNN's, a lone float32, bfloat16 or int8 row's products
-through the compiled kernels (stage_worker/row_kernel.py) or torch's, and a few bfloat16 rows'
-through the compiled kernel (stage_worker/bf16_batches.py) or oneDNN's. The stages decide the
-same way, in the same environment and kernel cache, on the same machine. Reads /proc/cpuinfo
-where there is one.
+through the compiled kernels (stage_worker/row_kernel.py) or torch's, an int4 layer's few rows
+(stage_worker/int4_rows.py) and a few bfloat16 rows (stage_worker/bf16_batches.py) through the
+compiled kernels or torch's and oneDNN's. The stages decide the same way, in the same environment
+and kernel cache, on the same machine. Reads /proc/cpuinfo where there is one.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")  # what the k
 def this_machine() -> dict[str, object]:
     """{"cpu": model name, "cpus": logical CPUs, "flags": those of FLAGS it has, "kernels": {...}}."""
     from layerline.stage_worker.bf16_batches import bf16_batch_kernel
+    from layerline.stage_worker.int4_rows import int4_row_kernel
     from layerline.stage_worker.paged_attention import compiled_kernel
     from layerline.stage_worker.row_kernel import bf16_row_kernel, int8_row_kernel, row_kernel
     from layerline.stage_worker.tiles import tile_kernel
@@ -37,6 +38,7 @@ def this_machine() -> dict[str, object]:
             "float32_row_products": "compiled" if row_kernel() is not None else "torch",
             "bfloat16_row_products": "compiled" if bf16_row_kernel() is not None else "torch",
             "int8_row_products": "compiled" if int8_row_kernel() is not None else "torch",
+            "int4_row_products": "compiled" if int4_row_kernel() is not None else "torch",
             "bfloat16_batch_products": "compiled" if bf16_batch_kernel() is not None else "onednn",
         },
     }

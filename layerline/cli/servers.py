@@ -73,9 +73,10 @@ def add_quantize_flag(p: argparse.ArgumentParser) -> None:
         help="store the weights quantized at load: the linear layers 'int8' (one scale per output "
         "channel) or 'int4' (a scale and offset per 32 inputs), the LM head and token embedding int8 "
         "under both; about 1/4 or 1/5 of float32's bytes. The norms stay in --dtype, and "
-        "--weight-layout has no effect. Activations enter torch's kernels in bfloat16; on CPU a lone "
-        "float32 row (a lone stream's token) goes through layerline's compiled int8 kernel in float32 "
-        "where it builds (AVX2 or AVX-512). One row runs faster, many rows slower than float32 "
+        "--weight-layout has no effect. Activations enter torch's kernels in bfloat16; on CPU a "
+        "float32 model's few rows (a lone stream's token, small decode batches) go through layerline's "
+        "compiled int8 kernel (AVX2 or AVX-512) or int4 kernel (AVX-512) in float32 where it builds. "
+        "One row runs faster, many rows slower than float32 "
         "(README: Quantized weights) "
         f"(default: {StageSettings.quantize})",
     )
