@@ -1,5 +1,5 @@
-"""Products of float32 rows by `--quantize int4` layers through a compiled kernel (kernels/int4.c),
-where torch's int4 kernel is slow.
+"""Products of a few float32 rows by `--quantize int4` layers through a compiled kernel
+(kernels/int4.c), faster than torch's int4 kernel there and without rounding the rows.
 
 A float32 int4 stage multiplied its rows in torch's `_weight_int4pack_mm_for_cpu`, rows rounded
 to bfloat16. The kernel reads the same packed codes and bfloat16 scales and offsets where
@@ -26,7 +26,7 @@ import torch
 from layerline.shared.cpu import cpu_vendor
 
 from . import native
-from .row_kernel import TOLERANCE, RowProducts, checked_kernel
+from .row_kernel import TOLERANCE, RowProducts, checked_kernel, float32_row_products
 
 GROUP = 32  # inputs sharing a scale and offset: the kernel's (quantize.INT4_GROUP)
 BLOCK = 16  # outputs are padded to a multiple of this (quantize.INT4_ROWS)
@@ -90,31 +90,10 @@ def _bind(
         return None
     call = kernel.unchecked["rows_i4"]
 
-    def run(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        """x W^T + b (+ residual) for rows x [R, in]: [R, out]; `residual`, if any, checked by the
-        caller: [R, out], float32, contiguous."""
-        if x.dim() != 2 or x.shape[1] != fan_in or not x.shape[0] or x.dtype != torch.float32 or not x.is_cpu:
-            raise ValueError(f"rows of {fan_in} float32 on the CPU, not {str(x.dtype)[6:]} {list(x.shape)}")
-        x = x if x.is_contiguous() and not x.is_neg() else x.resolve_neg().contiguous()
-        y = torch.empty(x.shape[0], out)
-        b = None if bias is None else bias.data_ptr()
-        r = None if residual is None else residual.data_ptr()
-        threads = torch.get_num_threads()
-        call(
-            x.data_ptr(), packed.data_ptr(), sz.data_ptr(), b, r, x.shape[0], fan_in, out, padded, threads, y.data_ptr()
-        )
-        return y
+    def rows_i4(x: int, b: int | None, r: int | None, rows: int, threads: int, y: int) -> None:
+        call(x, packed.data_ptr(), sz.data_ptr(), b, r, rows, fan_in, out, padded, threads, y)
 
-    def product(x: torch.Tensor) -> torch.Tensor:
-        return run(x, None)
-
-    def add_product(residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        plain = residual.dtype == torch.float32 and residual.is_contiguous() and not residual.is_neg()
-        if residual.shape != (x.shape[0], out) or not plain or not residual.is_cpu:
-            return run(x, None).add_(residual)
-        return run(x, residual)
-
-    return product, add_product
+    return float32_row_products(fan_in, out, bias, rows_i4)
 
 
 def _disagreement(kernel: native.PagedAttentionKernel) -> float:

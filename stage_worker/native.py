@@ -3,7 +3,8 @@
 One library: a decode batch's attention off the paged pools (`PagedAttentionKernel` called), its
 rotary with the new keys and values written to the pools (`rotate_and_store`), RMSNorm
 (`rms_norm`), and the MLP's SiLU of the gate times the up projection (`silu_mul`), all of
-kernels/paged_attention.c; and bfloat16 products on AMX tiles (kernels/tiles.c, see tiles.py).
+kernels/paged_attention.c; bfloat16 products on AMX tiles (kernels/tiles.c, see tiles.py); and
+products of a few rows (kernels/rows.c and int4.c: row_kernel.py, bf16_batches.py, int4_rows.py).
 
 Owns finding a C compiler ($CC, else `cc`, else `gcc`), compiling the SOURCES for
 the CPU it runs on (`-O3 -march=native -fopenmp`; without `-march=native` where the compiler
@@ -18,11 +19,10 @@ torch's kernels use on the same thread, not on a second team that would compete 
 cores, which cost the numba kernel tried before its gain (docs/performance.md). `load` refuses a
 kernel that brought a second runtime.
 
-`LAYERLINE_KERNELS=torch` turns it off. Where it is off, no compiler is found, compiling or
-loading fails, the cache directory is not this user's alone, or a second OpenMP runtime came,
-`load` raises KernelUnavailable with the reason, and the stage keeps torch's path
-(paged_attention.py, which also checks the kernel against torch's attention once before it
-trusts it). Knows nothing of layouts, models or steps: tensors in, a tensor out.
+`LAYERLINE_KERNELS=torch` turns it off. Where it is off, no compiler is found, compiling or loading
+fails, the cache directory is not this user's alone, or a second OpenMP runtime came, `load` raises
+KernelUnavailable with the reason and the stage keeps torch's path (the callers check each kernel
+against torch before they trust it). Knows nothing of layouts, models or steps: tensors in and out.
 """
 
 from __future__ import annotations
@@ -46,9 +46,7 @@ from layerline.model_store.store import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(
-    Path(__file__).parent / "kernels" / name for name in ("paged_attention.c", "tiles.c", "rows.c", "int4.c")
-)
+SOURCES = tuple(Path(__file__).parent / "kernels" / f"{n}.c" for n in ("paged_attention", "tiles", "rows", "int4"))
 ENV = "LAYERLINE_KERNELS"  # "auto" (the default): compile and use the kernel; "torch": torch's path only
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 FLAG_SETS = (("-march=native", *FLAGS), FLAGS)  # tried in order
@@ -56,10 +54,8 @@ COMPILE_TIMEOUT_S = 120.0
 MAPS = "/proc/self/maps"  # where `load` looks for a second OpenMP runtime
 POOL_DTYPES = (torch.float32, torch.bfloat16)  # the pools the kernel reads
 
-_P = ctypes.c_void_p
-_I = ctypes.c_int64
-_INT, _FLOAT = ctypes.c_int, ctypes.c_float
-# kernels/paged_attention.c's functions (each `layerline_` and the name): argument and result types
+_P, _I, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+# the kernels' functions (each `layerline_` and the name): argument and result types
 SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "paged_attention": ([_P, _INT, _P, _P, _INT, _P, _P, _I, _I, _I, _I, _I, _I, _FLOAT, _INT, _P], _INT),
     "rotate_and_store": ([_P, _P, _P, _P, _INT, _I, _I, _I, _I, _INT, _P, _P, _P], None),

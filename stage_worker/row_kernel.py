@@ -363,17 +363,29 @@ def _bind_int8(
         return None
     call = kernel.unchecked["rows_i8"]
 
+    def rows_i8(x: int, b: int | None, r: int | None, rows: int, threads: int, y: int) -> None:
+        call(x, codes.data_ptr(), scales.data_ptr(), b, r, rows, fan_in, out, threads, y)
+
+    return float32_row_products(fan_in, out, bias, rows_i8)
+
+
+RowsCall = Callable[[int, "int | None", "int | None", int, int, int], None]  # x, bias, residual, rows, threads, y
+
+
+def float32_row_products(fan_in: int, out: int, bias: torch.Tensor | None, call: RowsCall) -> RowProducts:
+    """(product, add_product) of float32 rows [R, in] on the CPU by a quantized layer's kernel `call`
+    (its own arguments bound; the tensors by address, bias and residual None where there are none)
+    and its float32 `bias`: x W^T + b, and that plus a residual [R, out] (added by torch where the
+    kernel cannot read it as it lies). Rows of another width, dtype or device: a ValueError."""
+
     def run(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        """x (codes * scales)^T + b (+ residual) for rows x [R, in]: [R, out]; `residual`, if any,
-        checked by the caller: [R, out], float32, contiguous."""
         if x.dim() != 2 or x.shape[1] != fan_in or not x.shape[0] or x.dtype != torch.float32 or not x.is_cpu:
             raise ValueError(f"rows of {fan_in} float32 on the CPU, not {_name(x.dtype)} {list(x.shape)}")
         x = x if x.is_contiguous() and not x.is_neg() else x.resolve_neg().contiguous()
         y = torch.empty(x.shape[0], out)
         b = None if bias is None else bias.data_ptr()
         r = None if residual is None else residual.data_ptr()
-        threads = torch.get_num_threads()
-        call(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), b, r, x.shape[0], fan_in, out, threads, y.data_ptr())
+        call(x.data_ptr(), b, r, x.shape[0], torch.get_num_threads(), y.data_ptr())
         return y
 
     def product(x: torch.Tensor) -> torch.Tensor:

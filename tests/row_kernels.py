@@ -10,6 +10,10 @@ import torch
 
 from layerline.shared import cpu as shared_cpu
 from layerline.stage_worker import native, row_kernel
+from layerline.stage_worker.llama import StageModel
+
+from .pipeline import LocalPipeline
+from .test_quantize import _dequantized_oracle
 
 
 def chosen(
@@ -55,3 +59,23 @@ def assert_rule(
             assert (chooser() is not None) == serves, (cpu, choice)
     finally:
         chooser.cache_clear()  # type: ignore[attr-defined]
+
+
+def assert_dequantized_logits(stage: StageModel, hf: torch.nn.Module, batch: dict[str, list[int]]) -> None:
+    """A lone token a step through a whole quantized `stage`, then a step of one token for each of
+    `batch`'s sequences (prefilled first): each step's logits those of transformers `hf` holding the
+    weights the stage's layers stand for (`_dequantized_oracle`), to 1e-4 of the largest."""
+    oracle = _dequantized_oracle(hf, stage)
+    ids = [1, 17, 42, 99, 3]
+    pipeline = LocalPipeline([stage])
+    pipeline.step({"s": ids[:1]})
+    for n in range(2, len(ids) + 1):
+        got = pipeline.step({"s": [ids[n - 1]]})[0]  # a step of one token: the row path
+        with torch.no_grad():
+            want = oracle(torch.tensor([ids[:n]])).logits[0, -1].float()
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * want.abs().max().item())
+    pipeline.step(batch)
+    got = pipeline.step({name: [11] for name in batch})
+    with torch.no_grad():
+        want = torch.stack([oracle(torch.tensor([[*p, 11]])).logits[0, -1].float() for p in batch.values()])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * want.abs().max().item())

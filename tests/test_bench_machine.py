@@ -37,7 +37,7 @@ def test_the_bench_records_the_cpu_and_the_kernels_that_served():
         "bfloat16_row_products": "compiled" if bf16_row_kernel() is not None else "torch",
         "int8_row_products": "compiled" if int8_row_kernel() is not None else "torch",
         "int4_row_products": "compiled" if int4_row_kernel() is not None else "torch",
-        "bfloat16_batch_products": "compiled" if bf16_batch_kernel() is not None else "onednn",
+        "bfloat16_batch_products": "compiled" if bf16_batch_kernel() is not None else "packed",
     }
     result = BenchResult(model="m", dtype="bfloat16", threads=2, new_tokens=1, rounds=1, machine=machine)
     assert asdict(result)["machine"]["kernels"] == machine["kernels"]  # what --json writes

@@ -14,9 +14,8 @@ from layerline.stage_worker import int4_rows
 from layerline.stage_worker.quantize import INT4_ROWS, Int4Linear
 from layerline.stage_worker.weights import load_stage
 
-from .pipeline import LocalPipeline
-from .row_kernels import assert_rule, chosen
-from .test_quantize import _dequantized_oracle, tiny64  # noqa: F401  (tiny64: the module's fixture)
+from .row_kernels import assert_dequantized_logits, assert_rule, chosen
+from .test_quantize import tiny64  # noqa: F401  (the module's fixture)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -84,21 +83,7 @@ def test_a_lone_token_of_an_int4_stage_gives_the_dequantized_models_logits(produ
     path, hf = tiny64
     stage = load_stage(path, LayerRange(0, 4), quantize="int4")
     assert stage.row_path is not None and stage.row_path.plan(torch.get_num_threads()) is not None
-    oracle = _dequantized_oracle(hf, stage)
-    ids = [1, 17, 42, 99, 3]
-    pipeline = LocalPipeline([stage])
-    pipeline.step({"s": ids[:1]})
-    for n in range(2, len(ids) + 1):
-        got = pipeline.step({"s": [ids[n - 1]]})[0]
-        with torch.no_grad():
-            want = oracle(torch.tensor([ids[:n]])).logits[0, -1].float()
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * want.abs().max().item())
-    batch = {"a": [5], "b": [7], "c": [8]}  # each step under KERNEL_ROWS: every row through the kernel
-    pipeline.step(batch)
-    got = pipeline.step({name: [11] for name in batch})
-    with torch.no_grad():
-        want = torch.stack([oracle(torch.tensor([[*p, 11]])).logits[0, -1].float() for p in batch.values()])
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * want.abs().max().item())
+    assert_dequantized_logits(stage, hf, {"a": [5], "b": [7], "c": [8]})
 
 
 def test_bad_rows_and_layers_are_refused(products):

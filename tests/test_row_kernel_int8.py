@@ -20,9 +20,8 @@ from layerline.stage_worker import int4_rows, native, row_kernel
 from layerline.stage_worker.quantize import DEQUANTIZED_DTYPE, DEQUANTIZED_ROWS, KERNEL_ROWS, Int8Linear
 from layerline.stage_worker.weights import load_stage
 
-from .pipeline import LocalPipeline
-from .row_kernels import assert_rule, chosen
-from .test_quantize import _dequantized_oracle, tiny64  # noqa: F401  (tiny64: the module's fixture)
+from .row_kernels import assert_dequantized_logits, assert_rule, chosen
+from .test_quantize import tiny64  # noqa: F401  (the module's fixture)
 
 
 @pytest.fixture
@@ -127,22 +126,7 @@ def test_a_lone_token_of_an_int8_stage_gives_the_dequantized_models_logits(produ
     path, hf = tiny64
     stage = load_stage(path, LayerRange(0, 4), quantize="int8")
     assert stage.row_path is not None and stage.row_path.plan(torch.get_num_threads()) is not None
-    oracle = _dequantized_oracle(hf, stage)
-    ids = [1, 17, 42, 99, 3]
-    pipeline = LocalPipeline([stage])
-    pipeline.step({"s": ids[:1]})
-    for n in range(2, len(ids) + 1):
-        got = pipeline.step({"s": [ids[n - 1]]})[0]  # a step of one token: the row path
-        with torch.no_grad():
-            want = oracle(torch.tensor([ids[:n]])).logits[0, -1].float()
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * want.abs().max().item())
-    # Three sequences a step (a decode batch: the modules, their layers on the kernel's rows).
-    batch = {"a": [5, 6], "b": [7], "c": [8, 9, 10]}
-    pipeline.step(batch)
-    got = pipeline.step({name: [11] for name in batch})
-    with torch.no_grad():
-        want = torch.stack([oracle(torch.tensor([[*p, 11]])).logits[0, -1].float() for p in batch.values()])
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * want.abs().max().item())
+    assert_dequantized_logits(stage, hf, {"a": [5, 6], "b": [7], "c": [8, 9, 10]})
 
 
 def test_only_a_float32_int8_stage_takes_the_kernel(products, tiny64):  # noqa: F811

@@ -6,8 +6,9 @@ way the stages computed: the compiled decode attention or torch's operations, bf
 on AMX tiles (stage_worker/tiles.py) or oneDNN's, a lone float32, bfloat16 or int8 row's products
 through the compiled kernels (stage_worker/row_kernel.py) or torch's, an int4 layer's few rows
 (stage_worker/int4_rows.py) and a few bfloat16 rows (stage_worker/bf16_batches.py) through the
-compiled kernels or torch's and oneDNN's. The stages decide the same way, in the same environment
-and kernel cache, on the same machine. Reads /proc/cpuinfo where there is one.
+compiled kernels or torch's and the packed weights' (oneDNN's or the tiles'). The stages decide
+the same way, in the same environment and kernel cache, on the same machine. Reads /proc/cpuinfo
+where there is one.
 """
 
 from __future__ import annotations
@@ -39,6 +40,6 @@ def this_machine() -> dict[str, object]:
             "bfloat16_row_products": "compiled" if bf16_row_kernel() is not None else "torch",
             "int8_row_products": "compiled" if int8_row_kernel() is not None else "torch",
             "int4_row_products": "compiled" if int4_row_kernel() is not None else "torch",
-            "bfloat16_batch_products": "compiled" if bf16_batch_kernel() is not None else "onednn",
+            "bfloat16_batch_products": "compiled" if bf16_batch_kernel() is not None else "packed",
         },
     }
