@@ -65,7 +65,7 @@ def several_rows(weight: torch.Tensor | None, bias: torch.Tensor | None, packed:
     """x -> x W^T + b for rows x [R, in]: through the kernel by `weight` ([out, in] bfloat16, or
     None) for 2 <= R < BATCH_ROWS bfloat16 rows where it serves and takes the weight and bias;
     `packed` (the same product by the packed weight) for any other rows, or where it does not."""
-    kernel = bf16_batch_kernel()
+    kernel = None if weight is None else bf16_batch_kernel()  # no check, nor its log line, for float32
     if kernel is None or weight is None:
         return packed
     products = _bind(kernel, weight, bias)

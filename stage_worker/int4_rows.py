@@ -36,8 +36,8 @@ BLOCK = 16  # outputs are padded to a multiple of this (quantize.INT4_ROWS)
 # 6.2 and 5.9 / 4.5, 4 rows 9.3 / 9.5, 8 rows 16.8 / 17.6, 16 rows 33.0 / 34.3, 31 rows 60.2 / 67.8.
 KERNEL_ROWS = 4
 # (out, in, bias) checked: whole blocks of 64 outputs, 16 and 48 past them, fewer than 64 in all, with
-# padding past `out`; inputs of one group and of many.
-CHECKED = ((960, 576, True), (70, 64, False), (100, 96, True), (48, 32, False), (64, 1536, True))
+# padding past `out` (also inside the last whole block); inputs of one group and of many.
+CHECKED = ((960, 576, True), (70, 64, False), (100, 96, True), (48, 32, False), (64, 1536, True), (120, 64, False))
 
 
 @functools.cache

@@ -176,13 +176,13 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach())
 
     def dense(self) -> torch.Tensor:
-        """The float32 [out, in] weight the kernel multiplies by, unpacked by multiplying the
-        identity: through the compiled kernel where it serves ((q - 8) * scale + offset in float32),
-        else through torch's (that rounded to bfloat16)."""
-        if self.row_products() and (
-            unbiased := bind_int4(self.weight_int4, self.scales_and_zeros, None, self.out_features)
-        ):
-            return unbiased[0](torch.eye(self.in_features)).t().contiguous()
+        """The float32 [out, in] weight the codes stand for, (q - 8) * scale + offset, unpacked by
+        multiplying the identity: on CPU in float32 (torch's kernel takes float32 rows with float32
+        scales: exact), on CUDA in bfloat16 (rounded)."""
+        if not self.on_cuda:
+            eye, sz = torch.eye(self.in_features), self.scales_and_zeros.float()
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.weight_int4, INT4_GROUP, sz)
+            return y.t()[: self.out_features].contiguous()
         eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE, device=self.weight_int4.device)
         return self._product(eye).float().t()[: self.out_features].contiguous()
 
@@ -197,7 +197,8 @@ class Int4Linear(nn.Module):
     def row_products(self) -> RowProducts | None:
         """(product, add_product) of rows of a float32 model through the compiled kernel
         (int4_rows.bind_int4: the float32 rows times the codes where they lie, where torch's
-        kernel takes the rows rounded to bfloat16), or None where it does not serve."""
+        kernel takes the rows rounded to bfloat16), or None where it does not serve. Bound at first
+        use to the buffers as loaded (a stage never replaces or moves them)."""
         if not hasattr(self, "_products"):
             packed, sz, bias = self.weight_int4, self.scales_and_zeros, self.bias
             assert isinstance(packed, torch.Tensor) and isinstance(sz, torch.Tensor)

@@ -39,7 +39,7 @@ from .tiles import bound_product, is_packed
 # (`row_product`), or, where w is a packed weight (oneDNN's or the AMX tiles', `tiles.is_packed`),
 # x W^T + b as the modules multiply it (`RowMultiply` binds it: tiles.bound_product).
 # A linear layer that offers `row_weight(threads) -> RowWeight | None` (the CPU layouts of
-# layouts.py do), or its own `row_products()` (quantize.Int8Linear: the int8 kernel), can be on the path.
+# layouts.py do), or its own `row_products()` (quantize's Int8Linear and Int4Linear: their kernels), can be on the path.
 RowWeight = tuple[torch.Tensor, torch.Tensor | None]
 
 
@@ -278,7 +278,7 @@ def _row_layer(layer: nn.Module, threads: int) -> _RowLayer | None:
 
 def _row_multiply(module: nn.Module, threads: int) -> RowMultiply | None:
     """How a single row multiplies a linear layer: by its `row_weight(threads)` (see `RowWeight`),
-    or through its own `row_products()` (quantize.Int8Linear's kernel); None where it offers neither."""
+    or through its own `row_products()` (quantize's int8 and int4 kernels); None where it offers neither."""
     row_products = getattr(module, "row_products", None)
     if row_products is not None:
         products = row_products()

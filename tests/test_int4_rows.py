@@ -41,7 +41,9 @@ def _exact_layer(out: int, fan_in: int, generator: torch.Generator) -> tuple[tor
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize(("out", "fan_in"), [(960, 576), (576, 1536), (70, 64), (100, 96), (48, 32), (130, 64)])
+@pytest.mark.parametrize(
+    ("out", "fan_in"), [(960, 576), (576, 1536), (70, 64), (100, 96), (48, 32), (130, 64), (120, 64)]
+)
 def test_exact_sums_give_the_float32_product_to_the_bit(products, threads, out, fan_in):
     """Whole blocks of 64 outputs, 16, 32 or 48 past them (padding past `out` included), fewer
     than 64 in all; 1 to 5 rows (a tile of 2 and the one past it), with a bias and a residual."""

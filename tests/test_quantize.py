@@ -33,7 +33,8 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quantized_layer_multiplies_by_its_dense_weight(scheme, rows):
     """The kernel's product equals x W'^T + b, W' the dequantized weight, up to the rounding of x
-    and of the result to bfloat16 (the kernels' dtype): within 1/128 of the largest output. 40
+    and of the result to bfloat16 (torch's kernels' dtype; layerline's int8 and int4 kernels take
+    a few float32 rows unrounded): within 1/128 of the largest output. 40
     output channels: int4 pads them to 48 and cuts the padding off. From DEQUANTIZED_ROWS rows on,
     int8 multiplies by its codes made DEQUANTIZED_DTYPE instead of calling the kernel."""
     torch.manual_seed(0)

@@ -10,9 +10,9 @@
  *
  * Each thread takes an even share of the 64-output blocks; a code is widened to float32 once a
  * step and multiplied by up to I4_ROWS rows, 16 outputs a register, so no sums cross lanes. The
- * last block of fewer than 64 outputs goes through a scalar loop. row_kernel.py checks this code
+ * last block of fewer than 64 outputs goes through a scalar loop. int4_rows.py checks this code
  * against the dequantized weight's product before it trusts a build (and so a torch whose layout
- * differs). The caller checks every shape and address: in a multiple of 32, padded a multiple of
+ * differs: torch packs blocks of 32 under ATEN_CPU_CAPABILITY=avx2, for one). The caller checks every shape and address: in a multiple of 32, padded a multiple of
  * 16 and at least out; bias and residual [out] or [rows, out] or NULL; y [rows, out]. */
 #include <stdint.h>
 #include <omp.h>
