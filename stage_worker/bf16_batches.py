@@ -32,7 +32,7 @@ import torch
 from layerline.shared.cpu import cpu_flags, cpu_vendor
 
 from . import native
-from .row_kernel import TOLERANCE, checked_kernel
+from .row_kernel import TOLERANCE, checked_kernel, plain
 
 BATCH_ROWS = 32  # the kernel takes 2 to BATCH_ROWS - 1 rows; a lone row is row_kernel's, more oneDNN's
 CHECKED = ((576, 960, 7, True), (1537, 9, 2, False), (37, 5, 13, True), (64, 33, 31, False))  # (in, out, rows, bias)
@@ -79,20 +79,16 @@ def several_rows(weight: torch.Tensor | None, bias: torch.Tensor | None, packed:
     return product
 
 
-def _plain(t: torch.Tensor) -> bool:
-    return t.dtype == torch.bfloat16 and t.is_cpu and t.is_contiguous() and not t.is_neg()
-
-
 def _bind(
     kernel: native.PagedAttentionKernel, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> Callable[[torch.Tensor], torch.Tensor | None] | None:
     """The kernel's product by `weight` and `bias` of any number of rows [R, in] (None, for the
     caller's other way, where the rows are not bfloat16 on the CPU or its buffer could not be
     had); None where it does not take the weight or bias."""
-    if weight.dim() != 2 or not _plain(weight) or weight.requires_grad:
+    if weight.dim() != 2 or not plain(weight, torch.bfloat16) or weight.requires_grad:
         return None
     out, fan_in = weight.shape
-    if bias is not None and not (bias.shape == (out,) and _plain(bias)):
+    if bias is not None and not (bias.shape == (out,) and plain(bias, torch.bfloat16)):
         return None
     call = kernel.unchecked["rows_bf16_batch"]
 

@@ -26,7 +26,7 @@ import torch
 from layerline.shared.cpu import cpu_vendor
 
 from . import native
-from .row_kernel import TOLERANCE, RowProducts, checked_kernel, float32_row_products
+from .row_kernel import TOLERANCE, RowProducts, checked_kernel, float32_row_products, plain
 
 GROUP = 32  # inputs sharing a scale and offset: the kernel's (quantize.INT4_GROUP)
 BLOCK = 16  # outputs are padded to a multiple of this (quantize.INT4_ROWS)
@@ -79,14 +79,9 @@ def _bind(
     if padded % BLOCK or not 0 < out <= padded or fan_in % GROUP:
         return None
     sz = scales_and_zeros
-    if (
-        sz.shape != (fan_in // GROUP, padded, 2)
-        or sz.dtype != torch.bfloat16
-        or not sz.is_cpu
-        or not sz.is_contiguous()
-    ):
+    if sz.shape != (fan_in // GROUP, padded, 2) or not plain(sz, torch.bfloat16):
         return None
-    if bias is not None and not (bias.shape == (out,) and bias.dtype == torch.float32 and bias.is_contiguous()):
+    if bias is not None and not (bias.shape == (out,) and plain(bias, torch.float32)):
         return None
     call = kernel.unchecked["rows_i4"]
 

@@ -107,8 +107,8 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _plain(t: torch.Tensor, dtype: torch.dtype) -> bool:
-    """What the kernel reads of a bias or residual as it lies: `dtype` on the CPU, contiguous, not negated."""
+def plain(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """What the kernels read of a weight, bias or residual as it lies: `dtype` on the CPU, contiguous, not negated."""
     return t.dtype == dtype and t.is_cpu and t.is_contiguous() and not t.is_neg()
 
 
@@ -127,7 +127,7 @@ class _Bound:
 
     def add_product(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual + x W^T + b for residual [1, out], x [1, in]: a new [1, out]."""
-        if residual.shape != (1, self._layout.out) or not _plain(residual, self._layout.dtype):
+        if residual.shape != (1, self._layout.out) or not plain(residual, self._layout.dtype):
             return self._call(x, None).add_(residual)  # torch adds what the kernel does not read
         return self._call(x, residual)
 
@@ -157,7 +157,7 @@ def bind(w: torch.Tensor, b: torch.Tensor | None) -> RowProducts | None:
     layout = _layout(w)
     if layout is None:
         return None
-    if b is not None and not (b.shape == (layout.out,) and _plain(b, layout.dtype)):
+    if b is not None and not (b.shape == (layout.out,) and plain(b, layout.dtype)):
         return None
     kernel = row_kernel() if layout.dtype == torch.float32 else bf16_row_kernel()
     if kernel is None:
@@ -357,9 +357,9 @@ def _bind_int8(
     if codes.dtype != torch.int8 or codes.dim() != 2 or not codes.is_cpu or not codes.is_contiguous():
         return None
     out, fan_in = codes.shape
-    if scales.shape != (out,) or not _plain(scales, torch.bfloat16):
+    if scales.shape != (out,) or not plain(scales, torch.bfloat16):
         return None
-    if bias is not None and not (bias.shape == (out,) and _plain(bias, torch.float32)):
+    if bias is not None and not (bias.shape == (out,) and plain(bias, torch.float32)):
         return None
     call = kernel.unchecked["rows_i8"]
 
@@ -392,7 +392,7 @@ def float32_row_products(fan_in: int, out: int, bias: torch.Tensor | None, call:
         return run(x, None)
 
     def add_product(residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        if residual.shape != (x.shape[0], out) or not _plain(residual, torch.float32):
+        if residual.shape != (x.shape[0], out) or not plain(residual, torch.float32):
             return run(x, None).add_(residual)
         return run(x, residual)
 
