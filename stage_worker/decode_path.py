@@ -5,8 +5,8 @@ layer is a dozen module calls and the kernel wrappers' checks, about 100 us of P
 between the products (a 32-row step of SmolLM2's 30 layers, bfloat16, one process, 2 cores of an
 Intel Xeon with AMX: 29 ms in the layers, of them 16 in the products and 9 in the kernels).
 `DecodePath` runs the same math on the same tensors: the packed weights of each layer
-(layouts.PackedLinear's `weight_packed`, oneDNN's or the AMX tiles', or for a few bfloat16 rows
-the [out, in] ones through bf16_batches' kernel: `several_rows`) multiplied directly, and
+(layouts.PackedLinear's `weight_packed`, oneDNN's, the AMX tiles' or bf16_blocks': its
+`several_rows`) multiplied directly, and
 the compiled kernels bound once a step (step_kernels.py): the same calls in the same order as
 the modules make, so the same numbers to the bit (tests/test_decode_path.py checks that).
 Measured there, 10 interleaved rounds of 3 steps, the whole step: 32 rows bfloat16 33.1 -> 29.8
@@ -38,8 +38,8 @@ from .llama import DecoderLayer, StageModel
 from .step_kernels import bind
 from .tiles import is_packed
 
-# x -> x W^T + b by a packed weight (oneDNN's or the tiles') and its bias, or for a few bfloat16 rows
-# by the [out, in] weight, as `PackedLinear.forward` computes it (`several_rows`), its checks made once.
+# x -> x W^T + b by a packed weight (oneDNN's, the tiles' or bf16_blocks') and its bias, as
+# `PackedLinear.forward` computes it (`several_rows`), its checks made once.
 Packed = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -127,8 +127,7 @@ def _layer(layer: nn.Module) -> _Layer | None:
 
 def _packed(module: nn.Module) -> Packed | None:
     """A `layouts.PackedLinear`'s product of several rows (`several_rows`: by its packed weight and
-    bias, or for a few bfloat16 rows by its [out, in] weight where bf16_batches' kernel serves);
-    None for any other layer."""
+    bias); None for any other layer."""
     weight, several = getattr(module, "weight_packed", None), getattr(module, "several_rows", None)
     if not isinstance(weight, torch.Tensor) or not is_packed(weight) or several is None:
         return None

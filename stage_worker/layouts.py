@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import bf16_batches
+from . import bf16_blocks
 from .decode_path import DecodePath
 from .llama import DecoderLayer, StageModel, StepThreads, VocabParallelEmbedding
 from .quantize import Int8Embedding, QuantizeError, quantized
@@ -242,12 +242,13 @@ class PackedLinear(nn.Module):
     (one row 1.7x, 16 rows 1.65x, 32 rows 1.3x against torch's plain bfloat16 matmul, 19 layers,
     one thread), so no plain copy is kept even under `both`; and where the AMX tile kernel serves
     (tiles.py: oneDNN's numbers up to 32 rows, 30-45% sooner on SmolLM2's shapes), the weight is
-    laid out for it instead of for oneDNN. Where the compiled bfloat16 row kernel serves
-    (row_kernel.py: on the CPU's bfloat16 dot product, where oneDNN's single rows are slower than
-    memory), `both` keeps the [out, in] weight (`keep_rows`) for single rows beside the packed one:
-    SmolLM2's 30 layers, one row, two threads (AMD EPYC Zen 5, 30 copies of each weight): 4.7
+    laid out for it instead of for oneDNN; where bf16_blocks' kernel serves (bfloat16 on FMAs, on
+    Intel's CPUs without AMX: faster than oneDNN's at every row count, a lone row as fast as the
+    row kernel's), in its blocks, the only copy. Elsewhere, where the compiled bfloat16 row kernel
+    serves (row_kernel.py: on the CPU's bfloat16 dot product, where oneDNN's single rows are slower
+    than memory), `both` keeps the [out, in] weight (`keep_rows`) for single rows beside the packed
+    one: SmolLM2's 30 layers, one row, two threads (AMD EPYC Zen 5, 30 copies of each weight): 4.7
     against oneDNN's 5.5 ms, for twice the memory of these weights, as float32's `both` pays.
-    Where bf16_batches' kernel serves, a few rows (2 to 31) go through it on that weight too.
     """
 
     def __init__(self, plain: TransposedLinear | Linear | LMHead, *, keep_plain: bool, keep_rows: bool = False) -> None:
@@ -260,7 +261,7 @@ class PackedLinear(nn.Module):
         self.register_buffer("weight_rows", rows)
         self.register_buffer("bias", bias)
         self.plain = plain if keep_plain else None
-        self._several = bf16_batches.several_rows(rows, bias, bound_product(packed, bias))
+        self._several = bound_product(packed, bias)
 
     def row_weight(self, threads: int) -> RowWeight:
         """The plain layer's, when it is kept; else the [out, in] weight kept for single rows, seen
@@ -275,9 +276,8 @@ class PackedLinear(nn.Module):
         return weight, bias
 
     def several_rows(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """x W^T + b by the packed weight, or for a few bfloat16 rows by the [out, in] one kept for
-        single rows where bf16_batches' kernel serves; bound at construction (the buffers are
-        never replaced: a stage's weights stay where they were loaded)."""
+        """x W^T + b by the packed weight, bound at construction (the buffers are never replaced:
+        a stage's weights stay where they were loaded)."""
         return self._several
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -344,7 +344,8 @@ def _kept(weight_layout: str, dtype: torch.dtype, device: torch.device | str, tp
     if weight_layout == "plain" or not can_pack(dtype, device):
         return None
     both = weight_layout == "both"
-    keep_rows = both and dtype == torch.bfloat16 and tp_size == 1 and bf16_row_kernel() is not None
+    bf16_rows = dtype == torch.bfloat16 and tp_size == 1 and bf16_blocks.block_kernel() is None  # else blocks do
+    keep_rows = both and bf16_rows and bf16_row_kernel() is not None
     return both and dtype == torch.float32, keep_rows
 
 

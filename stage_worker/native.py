@@ -1,10 +1,10 @@
 """The stage's compiled CPU kernels: C shipped in kernels/, compiled once per machine, called via ctypes.
 
 One library: a decode batch's attention off the paged pools (`PagedAttentionKernel` called), its
-rotary with the new keys and values written to the pools (`rotate_and_store`), RMSNorm
-(`rms_norm`), and the MLP's SiLU of the gate times the up projection (`silu_mul`), all of
-kernels/paged_attention.c; bfloat16 products on AMX tiles (kernels/tiles.c, see tiles.py); and
-products of a few rows (kernels/rows.c and int4.c: row_kernel.py, bf16_batches.py, int4_rows.py).
+rotary with the new keys and values written to the pools (`rotate_and_store`), RMSNorm (`rms_norm`),
+and the MLP's SiLU of the gate times the up projection (`silu_mul`), all of kernels/paged_attention.c;
+bfloat16 products on AMX tiles (kernels/tiles.c, see tiles.py) and on FMAs (blocks.c, bf16_blocks.py);
+products of a few rows (kernels/rows.c and int4.c: row_kernel.py, int4_rows.py).
 
 Owns finding a C compiler ($CC, else `cc`, else `gcc`), compiling the SOURCES for
 the CPU it runs on (`-O3 -march=native -fopenmp`; without `-march=native` where the compiler
@@ -14,10 +14,9 @@ CPU, so a cache shared by unlike machines never hands one another's code), loadi
 it with arguments it checked: the C trusts every shape and index it is given.
 
 The library is loaded after torch, so its `libgomp.so.1` is the copy torch loaded where torch's
-wheel ships it under that name (the CPU wheels do): its parallel loop then runs on the OpenMP team
-torch's kernels use on the same thread, not on a second team that would compete with it for the
-cores, which cost the numba kernel tried before its gain (docs/performance.md). `load` refuses a
-kernel that brought a second runtime.
+wheel ships it under that name (the CPU wheels do): its parallel loops run on the OpenMP team torch's
+kernels use on the same thread, not a second team competing for the cores, which cost the numba
+kernel tried before its gain (docs/performance.md). `load` refuses a library with a second runtime.
 
 `LAYERLINE_KERNELS=torch` turns it off. Where it is off, no compiler is found, compiling or loading
 fails, the cache directory is not this user's alone, or a second OpenMP runtime came, `load` raises
@@ -46,7 +45,7 @@ from layerline.model_store.store import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).parent / "kernels" / f"{n}.c" for n in ("paged_attention", "tiles", "rows", "int4"))
+SOURCES = tuple(Path(__file__).parent / "kernels" / f"{n}.c" for n in "paged_attention tiles rows int4 blocks".split())
 ENV = "LAYERLINE_KERNELS"  # "auto" (the default): compile and use the kernel; "torch": torch's path only
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 FLAG_SETS = (("-march=native", *FLAGS), FLAGS)  # tried in order
@@ -69,7 +68,8 @@ SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "row_rows": ([_P, _P, _P, _P, _I, _I, _INT, _P], None),
     "rows_bf16": ([], _INT),
     "row_rows_bf16": ([_P, _P, _P, _P, _I, _I, _INT, _P], None),
-    "rows_bf16_batch": ([_P, _P, _P, _I, _I, _I, _INT, _P], _INT),
+    "blocks_bf16": ([], _INT),
+    "blocks_bf16_linear": ([_P, _P, _P, _I, _I, _I, _INT, _P], _INT),
     "rows_i8_vectorized": ([], _INT),
     "rows_i8": ([_P, _P, _P, _P, _P, _I, _I, _I, _INT, _P], None),
     "rows_i4_vectorized": ([], _INT),

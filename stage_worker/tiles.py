@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import native
+from . import bf16_blocks, native
 
 log = logging.getLogger(__name__)
 
@@ -115,20 +115,22 @@ def bound_product(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[
     2 cores of an Intel Xeon with AMX: 22.9 us through `product`, 17.6 the C call alone)."""
     if is_tiled(weight):
         return _BoundTiles(weight, bias)
+    if bf16_blocks.is_blocked(weight):
+        return bf16_blocks.BoundBlocks(weight, bias)
     if not weight.is_mkldnn:
-        raise ValueError(f"a {list(weight.shape)} {weight.dtype} weight is not packed (oneDNN's or the tiles')")
+        raise ValueError(f"a {list(weight.shape)} {weight.dtype} weight is not packed (oneDNN's, the tiles' or blocks)")
     onednn = torch.ops.mkldnn._linear_pointwise.default
     return lambda x: onednn(x, weight, bias, "none", [], "")
 
 
 def packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T + b for a packed weight: the tiles' (`is_tiled`) or oneDNN's."""
+    """x W^T + b for a packed weight: the tiles' (`is_tiled`), bf16_blocks' or oneDNN's."""
     return bound_product(weight, bias)(x)
 
 
 def is_packed(weight: torch.Tensor) -> bool:
-    """Whether `packed_product` takes this weight: the tiles' layout or oneDNN's."""
-    return weight.is_mkldnn or is_tiled(weight)
+    """Whether `packed_product` takes this weight: the tiles' layout, bf16_blocks' or oneDNN's."""
+    return weight.is_mkldnn or is_tiled(weight) or bf16_blocks.is_blocked(weight)
 
 
 def tiled_if_served(weight: torch.Tensor) -> torch.Tensor | None:
@@ -138,9 +140,14 @@ def tiled_if_served(weight: torch.Tensor) -> torch.Tensor | None:
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """A [out, in] weight packed for `packed_product`: the tiles' layout where they serve it, else
-    oneDNN's (which must serve its dtype: layouts.can_pack)."""
+    bf16_blocks' where its kernel serves it (bfloat16 on FMAs), else oneDNN's (which must serve
+    its dtype: layouts.can_pack)."""
     tiled = tiled_if_served(weight)
-    return tiled if tiled is not None else torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    if tiled is not None:
+        return tiled
+    if bf16_blocks.fits(weight) and bf16_blocks.block_kernel() is not None:
+        return bf16_blocks.layout(weight)
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
 
 @functools.cache

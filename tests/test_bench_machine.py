@@ -11,7 +11,7 @@ import pytest
 
 from layerline.bench.machine import FLAGS, this_machine
 from layerline.bench.run import BenchResult
-from layerline.stage_worker.bf16_batches import bf16_batch_kernel
+from layerline.stage_worker.bf16_blocks import block_kernel
 from layerline.stage_worker.int4_rows import int4_row_kernel
 from layerline.stage_worker.paged_attention import compiled_kernel
 from layerline.stage_worker.row_kernel import bf16_row_kernel, int8_row_kernel, row_kernel
@@ -32,12 +32,11 @@ def test_the_bench_records_the_cpu_and_the_kernels_that_served():
         assert machine["flags"] == [flag for flag in FLAGS if flag in flags]
     assert machine["kernels"] == {
         "decode_attention": "compiled" if compiled_kernel() is not None else "torch",
-        "bfloat16_products": "amx_tiles" if tile_kernel() is not None else "onednn",
+        "bfloat16_products": "amx_tiles" if tile_kernel() else "fma_blocks" if block_kernel() else "onednn",
         "float32_row_products": "compiled" if row_kernel() is not None else "torch",
-        "bfloat16_row_products": "compiled" if bf16_row_kernel() is not None else "torch",
+        "bfloat16_row_products": "fma_blocks" if block_kernel() else "compiled" if bf16_row_kernel() else "torch",
         "int8_row_products": "compiled" if int8_row_kernel() is not None else "torch",
         "int4_row_products": "compiled" if int4_row_kernel() is not None else "torch",
-        "bfloat16_batch_products": "compiled" if bf16_batch_kernel() is not None else "packed",
     }
     result = BenchResult(model="m", dtype="bfloat16", threads=2, new_tokens=1, rounds=1, machine=machine)
     assert asdict(result)["machine"]["kernels"] == machine["kernels"]  # what --json writes

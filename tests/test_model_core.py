@@ -267,12 +267,13 @@ def test_one_decoding_row_on_plain_tensors_equals_the_modules_and_transformers(
 def test_one_decoding_row_runs_off_the_modules_on_packed_weights_too(tmp_path, dtype, layout):
     """A stage whose linear layers keep oneDNN's packed weight (float32 under `packed`, and
     bfloat16 on a CPU with bfloat16 instructions) still takes a lone token off the modules: through
-    the packed products (`rows.RowMultiply`), or in bfloat16 under `both` through the compiled
-    kernel on the [out, in] weights kept beside them where it serves (row_kernel.py): the logits
+    the packed products (`rows.RowMultiply`: oneDNN's, or bf16_blocks' where it serves), or in
+    bfloat16 under `both` where no blocks serve through the compiled kernel on the [out, in]
+    weights kept beside them where it serves (row_kernel.py): the logits
     the modules give for the same step, and the same greedy tokens, on 2 threads."""
     from dataclasses import replace
 
-    from layerline.stage_worker import row_kernel
+    from layerline.stage_worker import bf16_blocks, row_kernel
     from layerline.stage_worker.layouts import PackedLinear
 
     from .pipeline import cache_for
@@ -285,7 +286,8 @@ def test_one_decoding_row_runs_off_the_modules_on_packed_weights_too(tmp_path, d
     # float32 packs on every CPU oneDNN serves; bfloat16 only on one with bfloat16 instructions
     # (elsewhere its layers keep the plain layouts, whose row path the test above covers).
     assert all(m.plain is None for m in packed) and (packed or dtype == torch.bfloat16)
-    rows = dtype == torch.bfloat16 and bool(packed) and row_kernel.bf16_row_kernel() is not None
+    rows = dtype == torch.bfloat16 and bool(packed) and bf16_blocks.block_kernel() is None
+    rows = rows and row_kernel.bf16_row_kernel() is not None
     assert all((m.weight_rows is not None) == rows for m in packed)
     bound = getattr(stage.row_path.plan(2).layers[0].gate_up.product, "__self__", None)
     assert isinstance(bound, row_kernel._Bound) == rows

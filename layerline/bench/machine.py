@@ -5,8 +5,8 @@ records the CPU's model, its logical CPUs, the instruction sets the kernels depe
 way the stages computed: the compiled decode attention or torch's operations, bfloat16 products
 on AMX tiles (stage_worker/tiles.py) or oneDNN's, a lone float32, bfloat16 or int8 row's products
 through the compiled kernels (stage_worker/row_kernel.py) or torch's, an int4 layer's few rows
-(stage_worker/int4_rows.py) and a few bfloat16 rows (stage_worker/bf16_batches.py) through the
-compiled kernels or torch's and the packed weights' (oneDNN's or the tiles'). The stages decide
+(stage_worker/int4_rows.py) through the compiled kernels or torch's, and bfloat16 products on
+FMAs in blocks (stage_worker/bf16_blocks.py: every row count, a lone row too). The stages decide
 the same way, in the same environment and kernel cache, on the same machine. Reads /proc/cpuinfo
 where there is one.
 """
@@ -22,7 +22,7 @@ FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")  # what the k
 
 def this_machine() -> dict[str, object]:
     """{"cpu": model name, "cpus": logical CPUs, "flags": those of FLAGS it has, "kernels": {...}}."""
-    from layerline.stage_worker.bf16_batches import bf16_batch_kernel
+    from layerline.stage_worker.bf16_blocks import block_kernel
     from layerline.stage_worker.int4_rows import int4_row_kernel
     from layerline.stage_worker.paged_attention import compiled_kernel
     from layerline.stage_worker.row_kernel import bf16_row_kernel, int8_row_kernel, row_kernel
@@ -35,11 +35,10 @@ def this_machine() -> dict[str, object]:
         "flags": [flag for flag in FLAGS if flag in flags],
         "kernels": {
             "decode_attention": "compiled" if compiled_kernel() is not None else "torch",
-            "bfloat16_products": "amx_tiles" if tile_kernel() is not None else "onednn",
+            "bfloat16_products": "amx_tiles" if tile_kernel() else "fma_blocks" if block_kernel() else "onednn",
             "float32_row_products": "compiled" if row_kernel() is not None else "torch",
-            "bfloat16_row_products": "compiled" if bf16_row_kernel() is not None else "torch",
+            "bfloat16_row_products": "fma_blocks" if block_kernel() else "compiled" if bf16_row_kernel() else "torch",
             "int8_row_products": "compiled" if int8_row_kernel() is not None else "torch",
             "int4_row_products": "compiled" if int4_row_kernel() is not None else "torch",
-            "bfloat16_batch_products": "compiled" if bf16_batch_kernel() is not None else "packed",
         },
     }

@@ -16,7 +16,7 @@ from typing import Any
 
 from layerline.model_store import cache_root
 
-PROFILE_VERSION = 5  # 5: a bfloat16 stage keeps 2 copies on Intel CPUs without AMX too (weight_copies)
+PROFILE_VERSION = 6  # 6: a bfloat16 stage keeps 1 copy on Intel CPUs without AMX again (bf16_blocks)
 MATMUL_ROWS = (1, 4, 8, 16, 64, 256)  # the row counts measured: decode steps up to prompt chunks
 # The hidden sizes whose layers the matmul rates are measured on: the embedded model's, and a wide
 # model's whose steps are nearly all streaming weights. A model between them is read in between.

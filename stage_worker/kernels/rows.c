@@ -1,4 +1,4 @@
-/* Products of a single row (float32, bfloat16) or a few (int8 codes, bfloat16): y = x W^T + b (+ a residual),
+/* Products of a single row (float32, bfloat16) or a few (int8 codes): y = x W^T + b (+ a residual),
  * streaming W from memory once.
  *
  * Compiled with kernels/paged_attention.c into one library (native.py) and called through ctypes
@@ -22,7 +22,7 @@
  *
  * The caller checks every shape and address: for columns, block a multiple of 16 dividing out;
  * bias and residual [out] or NULL; y [out], not overlapping any input (int8: x, residual and y
- * [rows, out] row by row; scales [out]; bfloat16 batches: x [rows, in], y [rows, out]).
+ * [rows, out] row by row; scales [out]).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -339,120 +339,8 @@ void layerline_row_rows_bf16(const uint16_t *restrict x, const uint16_t *restric
         }
     }
 }
-
-/* bfloat16, a few rows at once (a decode batch): Y = X W^T (+ bias) for X [rows, in], W [out, in]
- * row by row, Y [rows, out], all bfloat16.
- *
- * Not on VDPBF16PS: on an Intel Xeon without AMX (family 6 model 207) it does 32 products every 2
- * cycles, where two FMAs do 32 in one, and oneDNN's products of a few rows, on it, ran at half
- * the speed of reading the weights. Each weight is widened to float32 in its register (32 inputs
- * at once: shifted left 16 bits, the even ones, and its upper halves kept, the odd ones; X is
- * widened once a call into the same order, `widened`) and multiplied by up to BATCH_ROWS rows
- * before the next is read: a tile of 4 outputs x 6 rows is 24 float32 sums of 32 registers. Each
- * thread takes an even share of the outputs, four at a time, and asks for the next four rows of W
- * while it multiplies the first 6 rows by these. A sum (float32, this code's order) plus the bias
- * is rounded to bfloat16 once, as oneDNN rounds its float32 sum. */
-#define BATCH_ROWS 6
-#define EVEN(v) _mm512_castsi512_ps(_mm512_slli_epi32((v), 16))
-#define ODD(v) _mm512_castsi512_ps(_mm512_and_si512((v), _mm512_set1_epi32((int)0xffff0000u)))
-
-/* The sums of a, b, c and d, in this order. */
-static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-    const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));
-    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
-
-/* sums[q][k] = widened X row q (`span` floats a row) times W row k, for `nx` rows (a constant
- * where it is inlined); `next`, if not NULL, the rows to ask for meanwhile. */
-static inline __attribute__((always_inline)) void bf16_tile(const float *x, int64_t span, int64_t in, int nx,
-                                                            const uint16_t *const r[4], const uint16_t *next,
-                                                            float sums[BATCH_ROWS][4]) {
-    __m512 a[BATCH_ROWS][4];
-    for (int q = 0; q < BATCH_ROWS; ++q)
-        for (int k = 0; k < 4; ++k) a[q][k] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < span; i += 32) {
-        const __mmask32 m = in - i >= 32 ? (__mmask32)~0u : (__mmask32)((1u << (in - i)) - 1);
-        __m512i v[4];
-        for (int k = 0; k < 4; ++k) {
-            if (next) _mm_prefetch((const char *)(next + k * in + i), _MM_HINT_T0);
-            v[k] = _mm512_maskz_loadu_epi16(m, r[k] + i);
-        }
-        for (int q = 0; q < nx; ++q)
-            for (int k = 0; k < 4; ++k) a[q][k] = _mm512_fmadd_ps(_mm512_loadu_ps(x + q * span + i), EVEN(v[k]), a[q][k]);
-        for (int q = 0; q < nx; ++q)
-            for (int k = 0; k < 4; ++k) a[q][k] = _mm512_fmadd_ps(_mm512_loadu_ps(x + q * span + i + 16), ODD(v[k]), a[q][k]);
-    }
-    for (int q = 0; q < nx; ++q) _mm_storeu_ps(sums[q], sum4(a[q][0], a[q][1], a[q][2], a[q][3]));
-}
-
-/* X [rows, in] widened to float32, `span` (in rounded up to 32) a row: each 32 inputs' even ones,
- * then their odd ones, zeros past `in`. The calling thread's buffer (a stage's compute thread),
- * grown to its largest call and kept for the next: 200 KB for 31 rows of 1536 inputs. */
-static float *widened(const uint16_t *x, int64_t rows, int64_t in, int64_t span) {
-    static __thread float *buffer;
-    static __thread int64_t held;
-    if (rows * span > held) {
-        free(buffer);
-        held = 0;
-        if (posix_memalign((void **)&buffer, 64, (size_t)(rows * span) * sizeof(float))) return buffer = NULL;
-        held = rows * span;
-    }
-    for (int64_t q = 0; q < rows; ++q)
-        for (int64_t i = 0; i < span; i += 32) {
-            const __mmask32 m = in - i >= 32 ? (__mmask32)~0u : (__mmask32)((1u << (in - i)) - 1);
-            const __m512i v = _mm512_maskz_loadu_epi16(m, x + q * in + i);
-            _mm512_storeu_ps(buffer + q * span + i, EVEN(v));
-            _mm512_storeu_ps(buffer + q * span + i + 16, ODD(v));
-        }
-    return buffer;
-}
-
-/* 0 done; -1 where the buffer for X could not be allocated (Y untouched). */
-int layerline_rows_bf16_batch(const uint16_t *restrict x, const uint16_t *restrict w, const uint16_t *restrict bias,
-                              int64_t rows, int64_t in, int64_t out, int threads, uint16_t *restrict y) {
-    const int64_t span = (in + 31) / 32 * 32;
-    const float *xs = widened(x, rows, in, span);
-    if (!xs) return -1;
-#pragma omp parallel num_threads(threads)
-    {
-        int64_t first, last;
-        group_share(out, &first, &last);
-        for (int64_t j = first; j < last; j += 4) {
-            const int outs = last - j < 4 ? (int)(last - j) : 4;
-            const uint16_t *r[4];
-            for (int k = 0; k < 4; ++k) r[k] = w + (j + (k < outs ? k : 0)) * in; /* a short group rereads its first row */
-            for (int64_t q0 = 0; q0 < rows; q0 += BATCH_ROWS) {
-                const int nx = rows - q0 < BATCH_ROWS ? (int)(rows - q0) : BATCH_ROWS;
-                const float *xq = xs + q0 * span;
-                const uint16_t *next = q0 == 0 && j + 4 < last ? w + (j + 4) * in : NULL;
-                float sums[BATCH_ROWS][4];
-                switch (nx) { /* each a tile with its loops unrolled */
-                case 1: bf16_tile(xq, span, in, 1, r, next, sums); break;
-                case 2: bf16_tile(xq, span, in, 2, r, next, sums); break;
-                case 3: bf16_tile(xq, span, in, 3, r, next, sums); break;
-                case 4: bf16_tile(xq, span, in, 4, r, next, sums); break;
-                case 5: bf16_tile(xq, span, in, 5, r, next, sums); break;
-                default: bf16_tile(xq, span, in, 6, r, next, sums); break;
-                }
-                for (int q = 0; q < nx; ++q)
-                    for (int k = 0; k < outs; ++k)
-                        y[(q0 + q) * out + j + k] = narrow(sums[q][k] + (bias ? widen(bias[j + k]) : 0.0f));
-            }
-        }
-    }
-    return 0;
-}
 #else
 int layerline_rows_bf16(void) { return 0; }
-
-int layerline_rows_bf16_batch(const uint16_t *x, const uint16_t *w, const uint16_t *bias, int64_t rows, int64_t in,
-                              int64_t out, int threads, uint16_t *y) {
-    (void)x, (void)w, (void)bias, (void)rows, (void)in, (void)out, (void)threads, (void)y; /* never called */
-    return -1;
-}
 
 void layerline_row_rows_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, const uint16_t *residual,
                              int64_t in, int64_t out, int threads, uint16_t *y) {
