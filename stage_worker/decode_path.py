@@ -5,7 +5,7 @@ layer is a dozen module calls and the kernel wrappers' checks, about 100 us of P
 between the products (a 32-row step of SmolLM2's 30 layers, bfloat16, one process, 2 cores of an
 Intel Xeon with AMX: 29 ms in the layers, of them 16 in the products and 9 in the kernels).
 `DecodePath` runs the same math on the same tensors: the packed weights of each layer
-(layouts.PackedLinear's `weight_packed`, oneDNN's, the AMX tiles' or bf16_blocks': its
+(layouts.PackedLinear's `weight_packed`, oneDNN's, the AMX tiles' or fma_blocks': its
 `several_rows`) multiplied directly, and
 the compiled kernels bound once a step (step_kernels.py): the same calls in the same order as
 the modules make, so the same numbers to the bit (tests/test_decode_path.py checks that).
@@ -38,7 +38,7 @@ from .llama import DecoderLayer, StageModel
 from .step_kernels import bind
 from .tiles import is_packed
 
-# x -> x W^T + b by a packed weight (oneDNN's, the tiles' or bf16_blocks') and its bias, as
+# x -> x W^T + b by a packed weight (oneDNN's, the tiles' or fma_blocks') and its bias, as
 # `PackedLinear.forward` computes it (`several_rows`), its checks made once.
 Packed = Callable[[torch.Tensor], torch.Tensor]
 

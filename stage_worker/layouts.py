@@ -11,15 +11,12 @@ of the same weight that is faster on CPU (each class below says what it measured
 - then, where oneDNN serves the dtype (`can_pack`) and the weight layout is not `plain`,
   `pack_linears` wraps each of them in a `PackedLinear`, and the model gets the `DecodePath`
   (decode_path.py) that runs a decode batch's step over the packed weights without the modules;
-- each layout offers `row_weight(threads)`, how a single row multiplies it (a plain one on
-  several threads: blocks of its output columns, `_row_blocks`; a packed one alone: the packed
-  weight, through oneDNN), and the model gets the `RowPath` (rows.py) that runs a step of one
-  token over those weights without the modules.
+- each layout offers `row_weight(threads)`, how a single row multiplies it (a plain one on several
+  threads: blocks of its output columns, `_row_blocks`; a packed one alone: the packed weight), and
+  the model gets the `RowPath` (rows.py) that runs a step of one token over them without the modules.
 
 Under `--quantize int8 | int4` every linear layer, the LM head and the token embedding become
-instead the quantized layers of quantize.py (its kernels take the [out, in] weight), never
-packed; see `quantize_linears`.
-
+instead the quantized layers of quantize.py (its kernels take the [out, in] weight), never packed.
 Layers are converted one at a time and each drops the weight it replaces, so converting holds
 one extra tensor at a time beyond what the model keeps.
 
@@ -35,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import bf16_blocks
+from . import fma_blocks
 from .decode_path import DecodePath
 from .llama import DecoderLayer, StageModel, StepThreads, VocabParallelEmbedding
 from .quantize import Int8Embedding, QuantizeError, quantized
@@ -227,7 +224,8 @@ def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:
 
 class PackedLinear(nn.Module):
     """y = x W^T + b through oneDNN, with W reordered once, at load, into oneDNN's blocked layout
-    (in bfloat16 on a CPU with AMX, through the tile kernel of tiles.py, W laid out for it instead).
+    (in bfloat16 on a CPU with AMX through the tile kernel of tiles.py, and where it serves through
+    fma_blocks' kernel, W laid out for each instead).
 
     On CPU in float32 this beats the plain layouts above from two rows on. Measured on this
     model's 19 layers on one thread: 2 rows 1.2x, 4 rows 2.5x, 16 rows 1.9x, 32 rows 1.5x faster;
@@ -242,13 +240,15 @@ class PackedLinear(nn.Module):
     (one row 1.7x, 16 rows 1.65x, 32 rows 1.3x against torch's plain bfloat16 matmul, 19 layers,
     one thread), so no plain copy is kept even under `both`; and where the AMX tile kernel serves
     (tiles.py: oneDNN's numbers up to 32 rows, 30-45% sooner on SmolLM2's shapes), the weight is
-    laid out for it instead of for oneDNN; where bf16_blocks' kernel serves (bfloat16 on FMAs, on
-    Intel's CPUs without AMX: faster than oneDNN's at every row count, a lone row as fast as the
-    row kernel's), in its blocks, the only copy. Elsewhere, where the compiled bfloat16 row kernel
-    serves (row_kernel.py: on the CPU's bfloat16 dot product, where oneDNN's single rows are slower
-    than memory), `both` keeps the [out, in] weight (`keep_rows`) for single rows beside the packed
-    one: SmolLM2's 30 layers, one row, two threads (AMD EPYC Zen 5, 30 copies of each weight): 4.7
-    against oneDNN's 5.5 ms, for twice the memory of these weights, as float32's `both` pays.
+    laid out for it instead of for oneDNN. Where the compiled bfloat16 row kernel serves (row_kernel.py:
+    on the CPU's bfloat16 dot product, where oneDNN's single rows are slower than memory), `both`
+    keeps the [out, in] weight (`keep_rows`) for single rows beside the packed one: SmolLM2's 30
+    layers, one row, two threads (AMD EPYC Zen 5, 30 copies of each weight): 4.7 against oneDNN's
+    5.5 ms, for twice the memory of these weights, as float32's `both` pays.
+
+    Where fma_blocks' kernel serves (Intel's CPUs: float32, and bfloat16 without AMX), W is laid out
+    in its blocks instead: faster than oneDNN's and MKL's at every row count, a lone row too, so
+    under `both` too it is the only copy.
     """
 
     def __init__(self, plain: TransposedLinear | Linear | LMHead, *, keep_plain: bool, keep_rows: bool = False) -> None:
@@ -344,8 +344,8 @@ def _kept(weight_layout: str, dtype: torch.dtype, device: torch.device | str, tp
     if weight_layout == "plain" or not can_pack(dtype, device):
         return None
     both = weight_layout == "both"
-    bf16_rows = dtype == torch.bfloat16 and tp_size == 1 and bf16_blocks.block_kernel() is None  # else blocks do
-    keep_rows = both and bf16_rows and bf16_row_kernel() is not None
+    both = both and fma_blocks.block_kernel(dtype) is None  # the blocks take a lone row as fast
+    keep_rows = both and dtype == torch.bfloat16 and tp_size == 1 and bf16_row_kernel() is not None
     return both and dtype == torch.float32, keep_rows
 
 

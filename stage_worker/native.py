@@ -3,7 +3,7 @@
 One library: a decode batch's attention off the paged pools (`PagedAttentionKernel` called), its
 rotary with the new keys and values written to the pools (`rotate_and_store`), RMSNorm (`rms_norm`),
 and the MLP's SiLU of the gate times the up projection (`silu_mul`), all of kernels/paged_attention.c;
-bfloat16 products on AMX tiles (kernels/tiles.c, see tiles.py) and on FMAs (blocks.c, bf16_blocks.py);
+bfloat16 products on AMX tiles (kernels/tiles.c, see tiles.py); float32 and bfloat16 on FMAs (blocks.c);
 products of a few rows (kernels/rows.c and int4.c: row_kernel.py, int4_rows.py).
 
 Owns finding a C compiler ($CC, else `cc`, else `gcc`), compiling the SOURCES for
@@ -68,7 +68,8 @@ SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "row_rows": ([_P, _P, _P, _P, _I, _I, _INT, _P], None),
     "rows_bf16": ([], _INT),
     "row_rows_bf16": ([_P, _P, _P, _P, _I, _I, _INT, _P], None),
-    "blocks_bf16": ([], _INT),
+    "blocks": ([], _INT),
+    "blocks_f32_linear": ([_P, _P, _P, _I, _I, _I, _INT, _P], _INT),
     "blocks_bf16_linear": ([_P, _P, _P, _I, _I, _I, _INT, _P], _INT),
     "rows_i8_vectorized": ([], _INT),
     "rows_i8": ([_P, _P, _P, _P, _P, _I, _I, _I, _INT, _P], None),
@@ -135,8 +136,7 @@ class PagedAttentionKernel:
     def __init__(self, path: Path) -> None:
         self.path = path
         library = ctypes.CDLL(str(path))
-        # The C functions by name, unchecked: the methods below check their arguments at every
-        # call; step_kernels.py checks a step's once and calls these directly.
+        # The C functions by name, unchecked: the methods below check their arguments (step_kernels.py a step's)
         self.unchecked: dict[str, Any] = {}
         for name, (argtypes, restype) in SIGNATURES.items():
             function = getattr(library, f"layerline_{name}")

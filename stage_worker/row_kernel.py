@@ -37,7 +37,7 @@ of every layout they take before they trust a build. `bind(weight, bias)` makes 
 weights (a float32 [in, out] matrix, its column blocks, or a float32 or bfloat16 [out, in]
 matrix's row blocks, by their strides), or says None where the kernel does not take it and
 torch's product stays. A bfloat16 stage keeps the [out, in] weights for it under `--weight-layout
-both` (layouts.PackedLinear), beside oneDNN's packed ones, unless bf16_blocks' kernel serves (under
+both` (layouts.PackedLinear), beside oneDNN's packed ones, unless fma_blocks' kernel serves (under
 `auto` on the same Intel CPUs without AMX): then its blocks, one copy, take a lone row as fast.
 
 Knows the kernel's layouts and arguments; nothing of models, steps or the network.

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import bf16_blocks, native
+from . import fma_blocks, native
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +115,8 @@ def bound_product(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[
     2 cores of an Intel Xeon with AMX: 22.9 us through `product`, 17.6 the C call alone)."""
     if is_tiled(weight):
         return _BoundTiles(weight, bias)
-    if bf16_blocks.is_blocked(weight):
-        return bf16_blocks.BoundBlocks(weight, bias)
+    if fma_blocks.is_blocked(weight):
+        return fma_blocks.BoundBlocks(weight, bias)
     if not weight.is_mkldnn:
         raise ValueError(f"a {list(weight.shape)} {weight.dtype} weight is not packed (oneDNN's, the tiles' or blocks)")
     onednn = torch.ops.mkldnn._linear_pointwise.default
@@ -124,13 +124,13 @@ def bound_product(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[
 
 
 def packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T + b for a packed weight: the tiles' (`is_tiled`), bf16_blocks' or oneDNN's."""
+    """x W^T + b for a packed weight: the tiles' (`is_tiled`), fma_blocks' or oneDNN's."""
     return bound_product(weight, bias)(x)
 
 
 def is_packed(weight: torch.Tensor) -> bool:
-    """Whether `packed_product` takes this weight: the tiles' layout, bf16_blocks' or oneDNN's."""
-    return weight.is_mkldnn or is_tiled(weight) or bf16_blocks.is_blocked(weight)
+    """Whether `packed_product` takes this weight: the tiles' layout, fma_blocks' or oneDNN's."""
+    return weight.is_mkldnn or is_tiled(weight) or fma_blocks.is_blocked(weight)
 
 
 def tiled_if_served(weight: torch.Tensor) -> torch.Tensor | None:
@@ -140,14 +140,11 @@ def tiled_if_served(weight: torch.Tensor) -> torch.Tensor | None:
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """A [out, in] weight packed for `packed_product`: the tiles' layout where they serve it, else
-    bf16_blocks' where its kernel serves it (bfloat16 on FMAs), else oneDNN's (which must serve
-    its dtype: layouts.can_pack)."""
-    tiled = tiled_if_served(weight)
-    if tiled is not None:
-        return tiled
-    if bf16_blocks.fits(weight) and bf16_blocks.block_kernel() is not None:
-        return bf16_blocks.layout(weight)
-    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    fma_blocks' where its kernel serves it, else oneDNN's (which must serve its dtype:
+    layouts.can_pack)."""
+    packed = tiled_if_served(weight)
+    packed = fma_blocks.blocked_if_served(weight) if packed is None else packed
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None) if packed is None else packed
 
 
 @functools.cache

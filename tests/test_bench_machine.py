@@ -8,10 +8,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+import torch
 
 from layerline.bench.machine import FLAGS, this_machine
 from layerline.bench.run import BenchResult
-from layerline.stage_worker.bf16_blocks import block_kernel
+from layerline.stage_worker.fma_blocks import block_kernel
 from layerline.stage_worker.int4_rows import int4_row_kernel
 from layerline.stage_worker.paged_attention import compiled_kernel
 from layerline.stage_worker.row_kernel import bf16_row_kernel, int8_row_kernel, row_kernel
@@ -30,11 +31,13 @@ def test_the_bench_records_the_cpu_and_the_kernels_that_served():
         flags = next(set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags"))
         assert machine["cpu"] == named[0]
         assert machine["flags"] == [flag for flag in FLAGS if flag in flags]
+    f32, bf16 = torch.float32, torch.bfloat16
     assert machine["kernels"] == {
         "decode_attention": "compiled" if compiled_kernel() is not None else "torch",
-        "bfloat16_products": "amx_tiles" if tile_kernel() else "fma_blocks" if block_kernel() else "onednn",
-        "float32_row_products": "compiled" if row_kernel() is not None else "torch",
-        "bfloat16_row_products": "fma_blocks" if block_kernel() else "compiled" if bf16_row_kernel() else "torch",
+        "float32_products": "fma_blocks" if block_kernel(f32) else "onednn",
+        "bfloat16_products": "amx_tiles" if tile_kernel() else "fma_blocks" if block_kernel(bf16) else "onednn",
+        "float32_row_products": "fma_blocks" if block_kernel(f32) else "compiled" if row_kernel() else "torch",
+        "bfloat16_row_products": "fma_blocks" if block_kernel(bf16) else "compiled" if bf16_row_kernel() else "torch",
         "int8_row_products": "compiled" if int8_row_kernel() is not None else "torch",
         "int4_row_products": "compiled" if int4_row_kernel() is not None else "torch",
     }

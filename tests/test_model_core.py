@@ -184,15 +184,17 @@ def test_lm_head_blocks_give_the_plain_product_in_vocabulary_order(vocab, blocks
 
 @pytest.mark.parametrize("layout", ["both", "packed", "plain"])
 def test_every_weight_layout_matches_transformers(tiny, layout):
-    """Prefill (many rows: oneDNN's packed weights) and decode (one row: the plain ones under
-    `both`) give transformers' logits and greedy tokens whatever the layout."""
+    """Prefill (many rows: the packed weights, oneDNN's or fma_blocks') and decode (one row: the
+    plain ones under `both`, unless fma_blocks' kernel serves) give transformers' logits and greedy
+    tokens whatever the layout."""
+    from layerline.stage_worker.fma_blocks import block_kernel
     from layerline.stage_worker.layouts import PackedLinear
 
     _, path, hf = tiny
     stage = load_stage(path, LayerRange(0, 4), weight_layout=layout)
     packed = [m for m in stage.modules() if isinstance(m, PackedLinear)]
     assert len(packed) == (0 if layout == "plain" else 4 * 4 + 1)  # qkv, o, gate_up, down per layer; head
-    assert all((m.plain is not None) == (layout == "both") for m in packed)
+    assert all((m.plain is not None) == (layout == "both" and block_kernel(torch.float32) is None) for m in packed)
     ids = PROMPTS["a"]
     torch.testing.assert_close(
         LocalPipeline([stage]).step({"s": ids}, all_logits=True), hf_logits(hf, ids), atol=1e-4, rtol=0
@@ -206,7 +208,7 @@ def test_unknown_weight_layout_is_refused(tmp_path):
         load_stage(tmp_path, LayerRange(0, 4), weight_layout="dense")
 
 
-@pytest.mark.parametrize("row_products", ["kernel", "torch"])
+@pytest.mark.parametrize("row_products", ["kernel", "blocks", "torch"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_one_decoding_row_on_plain_tensors_equals_the_modules_and_transformers(
     tiny, threads, row_products, monkeypatch, request
@@ -214,14 +216,19 @@ def test_one_decoding_row_on_plain_tensors_equals_the_modules_and_transformers(
     """A step of one token of one sequence whose KV is one run of slots skips the modules
     (`StageModel._one_row`, with the weights in output blocks on 2 threads): the same logits as
     the modules give for the same step, on a first, a last and a whole stage, and transformers';
-    with the row products of the compiled kernel (row_kernel.py, where it compiles) and of torch."""
+    with the row products of the compiled kernel (row_kernel.py, where it compiles, fma_blocks'
+    kernel kept off so that the plain modules stay), of fma_blocks' (where it builds) and of torch."""
     from dataclasses import replace
 
-    from layerline.stage_worker import row_kernel
+    from layerline.stage_worker import fma_blocks, row_kernel
 
     from .pipeline import cache_for
 
-    monkeypatch.setenv(row_kernel.ENV, row_products)
+    monkeypatch.setenv(row_kernel.ENV, "torch" if row_products == "torch" else "kernel")
+    fma_blocks.block_kernel.cache_clear()
+    request.addfinalizer(fma_blocks.block_kernel.cache_clear)
+    if row_products == "kernel":
+        monkeypatch.setattr(fma_blocks, "block_kernel", lambda dtype: None)
     row_kernel.row_kernel.cache_clear()
     request.addfinalizer(row_kernel.row_kernel.cache_clear)
 
@@ -259,7 +266,13 @@ def test_one_decoding_row_on_plain_tensors_equals_the_modules_and_transformers(
             plan = stages[0].row_path.plan(threads)
             assert plan is not None
             bound = getattr(plan.layers[0].gate_up.product, "__self__", None)
-            assert isinstance(bound, row_kernel._Bound) == (row_kernel.row_kernel() is not None)
+            blocks = row_products == "blocks" and fma_blocks.block_kernel(torch.float32) is not None
+            assert isinstance(bound, row_kernel._Bound) == (not blocks and row_kernel.row_kernel() is not None)
+            layer = next(iter(stages[0].layers.values()))
+            for name, linear in (("qkv", layer.self_attn.qkv_proj), ("down", layer.mlp.down_proj)):
+                kept = getattr(linear, "weight_packed", None)  # packed only where the blocks serve
+                product = getattr(plan.layers[0], name).product
+                assert isinstance(product, fma_blocks.BoundBlocks) == (blocks and fma_blocks.is_blocked(kept))
         assert seen == hf_greedy(hf, ids, 6)
 
 
@@ -267,13 +280,13 @@ def test_one_decoding_row_on_plain_tensors_equals_the_modules_and_transformers(
 def test_one_decoding_row_runs_off_the_modules_on_packed_weights_too(tmp_path, dtype, layout):
     """A stage whose linear layers keep oneDNN's packed weight (float32 under `packed`, and
     bfloat16 on a CPU with bfloat16 instructions) still takes a lone token off the modules: through
-    the packed products (`rows.RowMultiply`: oneDNN's, or bf16_blocks' where it serves), or in
+    the packed products (`rows.RowMultiply`: oneDNN's, or fma_blocks' where it serves), or in
     bfloat16 under `both` where no blocks serve through the compiled kernel on the [out, in]
     weights kept beside them where it serves (row_kernel.py): the logits
     the modules give for the same step, and the same greedy tokens, on 2 threads."""
     from dataclasses import replace
 
-    from layerline.stage_worker import bf16_blocks, row_kernel
+    from layerline.stage_worker import fma_blocks, row_kernel
     from layerline.stage_worker.layouts import PackedLinear
 
     from .pipeline import cache_for
@@ -286,7 +299,7 @@ def test_one_decoding_row_runs_off_the_modules_on_packed_weights_too(tmp_path, d
     # float32 packs on every CPU oneDNN serves; bfloat16 only on one with bfloat16 instructions
     # (elsewhere its layers keep the plain layouts, whose row path the test above covers).
     assert all(m.plain is None for m in packed) and (packed or dtype == torch.bfloat16)
-    rows = dtype == torch.bfloat16 and bool(packed) and bf16_blocks.block_kernel() is None
+    rows = dtype == torch.bfloat16 and bool(packed) and fma_blocks.block_kernel(dtype) is None
     rows = rows and row_kernel.bf16_row_kernel() is not None
     assert all((m.weight_rows is not None) == rows for m in packed)
     bound = getattr(stage.row_path.plan(2).layers[0].gate_up.product, "__self__", None)

@@ -1,27 +1,30 @@
-/* bfloat16 products on float32 FMAs: Y = X W^T (+ bias) for X [rows, in], Y [rows, out] bfloat16,
- * W laid out in blocks of 32 outputs (bf16_blocks.py's `layout`).
+/* Products on float32 FMAs of weights laid out in blocks of 32 outputs: Y = X W^T (+ bias) for
+ * X [rows, in], Y [rows, out], all bfloat16 or all float32 (fma_blocks.py's `layout`).
  *
- * For CPUs whose bfloat16 dot product (VDPBF16PS) is slow: on an Intel Xeon without AMX (family 6
- * model 207) it does 32 products every 2 cycles where two float32 FMAs do 32 a cycle, and oneDNN's
- * bfloat16 products, which run on it, were slower than reading the weights at a few rows and
- * slower than float32's at 32. Here each weight is widened to float32 in its register and
- * multiplied on FMAs.
+ * oneDNN's products of a few rows and MKL's of many left the FMAs idle half the time on 2 cores of
+ * an Intel Xeon without AMX (family 6 model 207), and in bfloat16 oneDNN multiplies on the CPU's
+ * bfloat16 dot product (VDPBF16PS), which there does 32 products every 2 cycles where two float32
+ * FMAs do 32 a cycle. Here each weight (bfloat16: widened to float32 in its register) is multiplied
+ * by up to TILE rows' inputs broadcast, on FMAs.
  *
- * The layout: block b holds outputs 32b .. 32b + 31, input by input, 32 bfloat16 an input (64
- * bytes, one load): at element 2i output 32b + i, at 2i + 1 output 32b + 16 + i. So the low halves
- * of the 16 32-bit lanes, shifted up, are outputs 32b + 0..15 in float32, and the high halves, the
- * low bits cleared, outputs 32b + 16..31: two instructions widen 32 weights. The rows are widened to float32 once a call (`widened`), and a tile of
- * up to TILE rows broadcasts each row's input k onto the block's 32 weights of input k: 2 TILE sums
- * in registers, 2 TILE FMAs for each load of W. Each thread takes an even share of the blocks and
- * sweeps each block once a tile of rows (from the second-level cache after the first), asking for
- * the next block meanwhile.
+ * The layout: block b holds outputs 32b .. 32b + 31, input by input, 32 weights an input. float32:
+ * in the outputs' order (two loads). bfloat16 (64 bytes, one load): at element 2i output 32b + i,
+ * at 2i + 1 output 32b + 16 + i, so the low halves of the 16 32-bit lanes, shifted up, are outputs
+ * 32b + 0..15 in float32, and the high halves, the low bits cleared, outputs 32b + 16..31: two
+ * instructions widen 32 weights. bfloat16 rows are widened to float32 once a call (`widened`). A
+ * tile of up to TILE rows broadcasts each row's input k onto the block's 32 weights of input k:
+ * 2 TILE sums in registers, 2 TILE FMAs for each input's weights. Each thread takes an even share
+ * of the blocks and sweeps each block once a tile of rows (from the second-level cache after the
+ * first), asking for the next block meanwhile, a share in each sweep (at 32 rows and more, asking
+ * only in the first left the first sweep waiting on memory: float32, 30 layers, 32 rows 44 -> 36 ms).
  *
  * Each output is its own float32 sum over the inputs in order, the same at any row count (a lone
- * row's output equals its output in any batch, to the bit), plus the bias, rounded to bfloat16 once
- * (to nearest even), as oneDNN rounds its float32 sums: so they agree to that rounding, not to the
- * bit (bf16_blocks.py checks it at load).
+ * row's output equals its output in any batch, to the bit), plus the bias; in bfloat16 rounded
+ * once (to nearest even), as oneDNN rounds its float32 sums. So they agree with oneDNN's and MKL's
+ * to rounding, not to the bit (fma_blocks.py checks that at load).
  *
- * The caller checks every shape and address: out a multiple of 32, W [out / 32, in, 32], bias [out] or NULL.
+ * The caller checks every shape and address: out a multiple of 32, W [out / 32, in, 32], bias [out]
+ * or NULL, X and Y contiguous, not overlapping.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -30,10 +33,10 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 
-int layerline_blocks_bf16(void) { return 1; }
+int layerline_blocks(void) { return 1; }
 
-#define TILE 12 /* rows a sweep: 24 sums, the 2 widened weights and a broadcast in 32 registers */
-#define WIDENED_FLOATS (1 << 20) /* at most 4 MiB of widened rows at once: longer prompts in parts */
+#define TILE 12 /* rows a sweep: 24 sums, the 2 weights' vectors and a broadcast in 32 registers */
+#define WIDENED_FLOATS (1 << 20) /* at most 4 MiB of widened bfloat16 rows at once: longer prompts in parts */
 #define EVEN(v) _mm512_castsi512_ps(_mm512_slli_epi32((v), 16))
 #define ODD(v) _mm512_castsi512_ps(_mm512_and_si512((v), _mm512_set1_epi32((int)0xffff0000u)))
 
@@ -51,17 +54,31 @@ static inline __m256i narrow16(__m512 s) {
 /* 16 bfloat16 as float32. */
 static inline __m512 widen16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 
-/* Rows x (`nx` of them, a constant where it is inlined; float32, `in` a row) times block `wb`,
- * plus the bias halves, rounded into y (`out` a row). `next`, if not NULL, the next block, asked for into the second-level cache meanwhile. */
-static inline __attribute__((always_inline)) void tile(const float *x, int64_t in, int nx, const uint16_t *wb,
-                                                       const uint16_t *next, __m512 low_bias, __m512 high_bias,
-                                                       uint16_t *y, int64_t out) {
+/* Rows x (`nx` of them, float32, `in` a row) times block `wb`, plus the bias halves, into y (`out`
+ * a row), the weights and y bfloat16 where `bf16` (`nx` and `bf16` constants where it is inlined).
+ * `next`, if not NULL, the next block: this sweep (`phase` of `stride` sweeps of the block) asks for
+ * every stride-th of its inputs' weights, from the phase-th on, into the second-level cache, so
+ * reading it spreads over the block's sweeps. */
+static inline __attribute__((always_inline)) void tile(const float *x, int64_t in, int nx, int bf16, const void *wb,
+                                                       const void *next, int64_t phase, int64_t stride,
+                                                       __m512 low_bias, __m512 high_bias, void *y, int64_t out) {
+    const int64_t width = bf16 ? 64 : 128; /* bytes of an input's 32 weights */
     __m512 a[TILE][2];
     for (int q = 0; q < TILE; ++q) a[q][0] = a[q][1] = _mm512_setzero_ps();
+    int64_t ahead = next ? phase : in; /* the next input of the next block to ask for */
     for (int64_t k = 0; k < in; ++k) {
-        if (next) _mm_prefetch((const char *)(next + k * 32), _MM_HINT_T1);
-        const __m512i v = _mm512_loadu_si512(wb + k * 32);
-        const __m512 low = EVEN(v), high = ODD(v);
+        if (k == ahead) {
+            _mm_prefetch((const char *)next + k * width, _MM_HINT_T1);
+            if (!bf16) _mm_prefetch((const char *)next + k * width + 64, _MM_HINT_T1);
+            ahead += stride;
+        }
+        __m512 low, high;
+        if (bf16) {
+            const __m512i v = _mm512_loadu_si512((const uint16_t *)wb + k * 32);
+            low = EVEN(v), high = ODD(v);
+        } else {
+            low = _mm512_loadu_ps((const float *)wb + k * 32), high = _mm512_loadu_ps((const float *)wb + k * 32 + 16);
+        }
         for (int q = 0; q < nx; ++q) {
             const __m512 xq = _mm512_set1_ps(x[q * in + k]);
             a[q][0] = _mm512_fmadd_ps(xq, low, a[q][0]);
@@ -69,8 +86,14 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t i
         }
     }
     for (int q = 0; q < nx; ++q) {
-        _mm256_storeu_si256((__m256i *)(y + q * out), narrow16(_mm512_add_ps(a[q][0], low_bias)));
-        _mm256_storeu_si256((__m256i *)(y + q * out + 16), narrow16(_mm512_add_ps(a[q][1], high_bias)));
+        const __m512 low = _mm512_add_ps(a[q][0], low_bias), high = _mm512_add_ps(a[q][1], high_bias);
+        if (bf16) {
+            _mm256_storeu_si256((__m256i *)((uint16_t *)y + q * out), narrow16(low));
+            _mm256_storeu_si256((__m256i *)((uint16_t *)y + q * out + 16), narrow16(high));
+        } else {
+            _mm512_storeu_ps((float *)y + q * out, low);
+            _mm512_storeu_ps((float *)y + q * out + 16, high);
+        }
     }
 }
 
@@ -94,58 +117,80 @@ static float *widened(const uint16_t *x, int64_t n) {
     return buffer;
 }
 
-/* 0 done; -1 where the buffer for X could not be had (Y untouched, or its earlier rows done). */
+/* Rows xs [n, in] (float32) times every block, into y's rows, on `threads` threads. */
+static inline __attribute__((always_inline)) void linear(const float *xs, const void *w, const void *bias, int64_t n,
+                                                         int64_t out, int64_t in, int threads, int bf16, void *y) {
+    const int64_t blocks = out / 32, width = bf16 ? 2 : 4; /* bytes a weight */
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t t = omp_get_thread_num(), team = omp_get_num_threads();
+        const int64_t first = blocks * t / team, last = blocks * (t + 1) / team;
+        for (int64_t b = first; b < last; ++b) {
+            const char *wb = (const char *)w + b * in * 32 * width;
+            __m512 low_bias = _mm512_setzero_ps(), high_bias = low_bias;
+            if (bias && bf16) {
+                const __m512i v = _mm512_loadu_si512((const uint16_t *)bias + b * 32);
+                low_bias = widen16(_mm512_castsi512_si256(v)), high_bias = widen16(_mm512_extracti64x4_epi64(v, 1));
+            } else if (bias) {
+                low_bias = _mm512_loadu_ps((const float *)bias + b * 32);
+                high_bias = _mm512_loadu_ps((const float *)bias + b * 32 + 16);
+            }
+            const void *next = b + 1 < last ? wb + in * 32 * width : NULL;
+            const int64_t sweeps = (n + TILE - 1) / TILE;
+            for (int64_t q0 = 0; q0 < n; q0 += TILE) {
+                const int nx = n - q0 < TILE ? (int)(n - q0) : TILE;
+                const float *xq = xs + q0 * in;
+                char *yq = (char *)y + (q0 * out + b * 32) * width;
+#define TILE_OF(rows_) tile(xq, in, rows_, bf16, wb, next, q0 / TILE, sweeps, low_bias, high_bias, yq, out)
+                switch (nx) { /* each a tile with its loops unrolled */
+                case 1: TILE_OF(1); break;
+                case 2: TILE_OF(2); break;
+                case 3: TILE_OF(3); break;
+                case 4: TILE_OF(4); break;
+                case 5: TILE_OF(5); break;
+                case 6: TILE_OF(6); break;
+                case 7: TILE_OF(7); break;
+                case 8: TILE_OF(8); break;
+                case 9: TILE_OF(9); break;
+                case 10: TILE_OF(10); break;
+                case 11: TILE_OF(11); break;
+                default: TILE_OF(TILE); break;
+                }
+#undef TILE_OF
+            }
+        }
+    }
+}
+
+/* float32: 0 done. */
+int layerline_blocks_f32_linear(const float *restrict x, const float *restrict w, const float *restrict bias,
+                                int64_t rows, int64_t out, int64_t in, int threads, float *restrict y) {
+    linear(x, w, bias, rows, out, in, threads, 0, y);
+    return 0;
+}
+
+/* bfloat16: 0 done; -1 where the buffer for X could not be had (Y untouched, or its earlier rows done). */
 int layerline_blocks_bf16_linear(const uint16_t *restrict x, const uint16_t *restrict w,
                                  const uint16_t *restrict bias, int64_t rows, int64_t out, int64_t in, int threads,
                                  uint16_t *restrict y) {
-    const int64_t blocks = out / 32;
     int64_t part = WIDENED_FLOATS / in / TILE * TILE; /* rows widened at once */
     if (part < TILE) part = TILE;
     for (int64_t r0 = 0; r0 < rows; r0 += part) {
         const int64_t n = rows - r0 < part ? rows - r0 : part;
         const float *xs = widened(x + r0 * in, n * in);
         if (!xs) return -1;
-#pragma omp parallel num_threads(threads)
-        {
-            const int64_t t = omp_get_thread_num(), team = omp_get_num_threads();
-            const int64_t first = blocks * t / team, last = blocks * (t + 1) / team;
-            for (int64_t b = first; b < last; ++b) {
-                const uint16_t *wb = w + b * in * 32;
-                __m512 low_bias = _mm512_setzero_ps(), high_bias = low_bias;
-                if (bias) {
-                    const __m512i v = _mm512_loadu_si512(bias + b * 32);
-                    low_bias = widen16(_mm512_castsi512_si256(v));
-                    high_bias = widen16(_mm512_extracti64x4_epi64(v, 1));
-                }
-                for (int64_t q0 = 0; q0 < n; q0 += TILE) {
-                    const int nx = n - q0 < TILE ? (int)(n - q0) : TILE;
-                    const float *xq = xs + q0 * in;
-                    uint16_t *yq = y + (r0 + q0) * out + b * 32;
-                    const uint16_t *next = q0 == 0 && b + 1 < last ? wb + in * 32 : NULL;
-#define TILE_OF(rows_) tile(xq, in, rows_, wb, next, low_bias, high_bias, yq, out)
-                    switch (nx) { /* each a tile with its loops unrolled */
-                    case 1: TILE_OF(1); break;
-                    case 2: TILE_OF(2); break;
-                    case 3: TILE_OF(3); break;
-                    case 4: TILE_OF(4); break;
-                    case 5: TILE_OF(5); break;
-                    case 6: TILE_OF(6); break;
-                    case 7: TILE_OF(7); break;
-                    case 8: TILE_OF(8); break;
-                    case 9: TILE_OF(9); break;
-                    case 10: TILE_OF(10); break;
-                    case 11: TILE_OF(11); break;
-                    default: TILE_OF(TILE); break;
-                    }
-#undef TILE_OF
-                }
-            }
-        }
+        linear(xs, w, bias, n, out, in, threads, 1, y + r0 * out);
     }
     return 0;
 }
 #else
-int layerline_blocks_bf16(void) { return 0; }
+int layerline_blocks(void) { return 0; }
+
+int layerline_blocks_f32_linear(const float *x, const float *w, const float *bias, int64_t rows, int64_t out,
+                                int64_t in, int threads, float *y) {
+    (void)x, (void)w, (void)bias, (void)rows, (void)out, (void)in, (void)threads, (void)y; /* never called */
+    return -2;
+}
 
 int layerline_blocks_bf16_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, int64_t rows,
                                  int64_t out, int64_t in, int threads, uint16_t *y) {
