@@ -16,10 +16,11 @@ bfloat16, oneDNN's packed weights against the kernel: 8 rows 22-28 -> 13-15, 16 
 blocks alone, one copy (layouts.PackedLinear), for every row count.
 
 `block_kernel(dtype)` decides by `LAYERLINE_ROW_PRODUCTS` (row_kernel.py) with its own `auto`: on
-Intel's CPUs, bfloat16 where they have no AMX tiles (with them tiles.py's kernel serves), float32 on
-every one (the same FMAs; measured on the Xeon above only); torch's elsewhere (AMD's were not
-measured: their VDPBF16PS runs at another rate, and their float32 rows have row_kernel.py's kernel).
-`kernel` takes it wherever it builds (AVX-512), `torch` nowhere. Each output is one float32 sum in
+Intel's CPUs without AMX tiles, where it was measured; torch's elsewhere (on AMX Xeons bfloat16 has
+tiles.py's kernel and float32 was not measured against it; AMD's were not measured: their VDPBF16PS
+runs at another rate, and their float32 rows have row_kernel.py's kernel). `kernel` takes it
+wherever it builds (AVX-512; bfloat16 not where the AMX tiles serve: tiles.blocks_pack), `torch`
+nowhere. Each output is one float32 sum in
 the inputs' order, the same at any row count, plus the bias (bfloat16: rounded once): it agrees with
 torch's to rounding, which `block_kernel` checks at load, not to the bit; and a row's output is the
 same alone and in any batch.
@@ -62,7 +63,7 @@ def layout(weight: torch.Tensor) -> torch.Tensor:
     if not fits(weight):
         raise ValueError(f"no block layout for a {list(weight.shape)} {weight.dtype} weight on {weight.device}")
     out, fan_in = weight.shape
-    blocks = weight.detach().view(out // BLOCK, 2, BLOCK // 2, fan_in)  # (b, h, i, k)
+    blocks = weight.detach().reshape(out // BLOCK, 2, BLOCK // 2, fan_in)  # (b, h, i, k)
     order = (0, 3, 1, 2) if weight.dtype == torch.float32 else (0, 3, 2, 1)
     return blocks.permute(*order).contiguous()
 
@@ -72,11 +73,6 @@ def is_blocked(weight: torch.Tensor) -> bool:
     if weight.is_mkldnn or weight.dim() != 4 or weight.dtype not in DTYPES:
         return False
     return weight.shape[2:] == ((2, BLOCK // 2) if weight.dtype == torch.float32 else (BLOCK // 2, 2))
-
-
-def blocked_if_served(weight: torch.Tensor) -> torch.Tensor | None:
-    """The block layout of a [out, in] weight where the kernel serves its dtype and takes it; else None."""
-    return layout(weight) if fits(weight) and block_kernel(weight.dtype) is not None else None
 
 
 class BoundBlocks:
@@ -122,12 +118,12 @@ def block_kernel(dtype: torch.dtype) -> native.PagedAttentionKernel | None:
     if dtype not in DTYPES:
         raise ValueError(f"no block kernel for {dtype}: float32 or bfloat16")
     vendor, name = cpu_vendor(), "float32" if dtype == torch.float32 else "bfloat16"
-    if vendor == "GenuineIntel" and (dtype == torch.float32 or "amx_bf16" not in cpu_flags()):
+    if vendor == "GenuineIntel" and "amx_bf16" not in cpu_flags():
         torch_here = ""
     elif vendor == "GenuineIntel":
-        torch_here = "the CPU has AMX tiles"
+        torch_here = "measured on Intel's CPUs without AMX tiles only, and this one has them"
     else:
-        torch_here = f"measured on Intel's CPUs only, the CPU's vendor {vendor or 'not named'}"
+        torch_here = f"measured on Intel's CPUs without AMX tiles only, the CPU's vendor {vendor or 'not named'}"
     return checked_kernel(
         f"{name} products on FMAs",
         "blocks",

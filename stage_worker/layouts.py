@@ -32,14 +32,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import fma_blocks
 from .decode_path import DecodePath
 from .llama import DecoderLayer, StageModel, StepThreads, VocabParallelEmbedding
 from .quantize import Int8Embedding, QuantizeError, quantized
 from .row_kernel import bf16_row_kernel
 from .rows import RowPath, RowWeight, row_product
 from .settings import QUANTIZE, WEIGHT_LAYOUTS  # see PackedLinear; the stage's --weight-layout, --quantize
-from .tiles import bound_product, pack
+from .tiles import blocks_pack, bound_product, pack
 
 MANY_ROWS = 16  # from this many rows on, a matmul is worth computing as (W x^T)^T (see below)
 HEAD_BLOCKS = (8, 4, 2, 1)  # the LM head's blocks: the first of these that divides the vocabulary
@@ -340,11 +339,12 @@ def apply_layouts(
 def _kept(weight_layout: str, dtype: torch.dtype, device: torch.device | str, tp_size: int) -> tuple[bool, bool] | None:
     """Whether a stage packs its linear layers (None: it does not), and if so whether it keeps
     the plain module beside each packed weight (float32's `both`) or the [out, in] weight for the
-    bfloat16 row kernel (`both` where that kernel serves: the row path, one rank only)."""
+    bfloat16 row kernel (`both` where that kernel serves: the row path, one rank only); neither
+    where fma_blocks' blocks are the packed layout (`blocks_pack`)."""
     if weight_layout == "plain" or not can_pack(dtype, device):
         return None
     both = weight_layout == "both"
-    both = both and fma_blocks.block_kernel(dtype) is None  # the blocks take a lone row as fast
+    both = both and not blocks_pack(dtype)  # the blocks take a lone row as fast
     keep_rows = both and dtype == torch.bfloat16 and tp_size == 1 and bf16_row_kernel() is not None
     return both and dtype == torch.float32, keep_rows
 

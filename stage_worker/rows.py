@@ -36,7 +36,7 @@ from .step_kernels import bind
 from .tiles import bound_product, is_packed
 
 # How a single row multiplies a linear layer: (w, b) with y = (x @ w).view(1, -1) + b for x [1, in]
-# (`row_product`), or, where w is a packed weight (oneDNN's or the AMX tiles', `tiles.is_packed`),
+# (`row_product`), or, where w is a packed weight (oneDNN's, the AMX tiles' or fma_blocks', `tiles.is_packed`),
 # x W^T + b as the modules multiply it (`RowMultiply` binds it: tiles.bound_product).
 # A linear layer that offers `row_weight(threads) -> RowWeight | None` (the CPU layouts of
 # layouts.py do), or its own `row_products()` (quantize's Int8Linear and Int4Linear: their kernels), can be on the path.

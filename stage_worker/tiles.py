@@ -12,9 +12,10 @@ streaming whole column blocks of a weight laid out as the instruction takes it, 
 tiles by Linux, and its products oneDNN's to the bit on random rows (1 to 32 rows, with and without
 a bias). Past 32 rows oneDNN sums in another order, so there the numbers are this kernel's own
 (each output the same sum in the same order at any row count). `layout(weight)` lays a [out, in]
-weight out as the kernel reads it, once, at load; `packed_product` multiplies rows by a packed
-weight, the tiles' or oneDNN's, and `bound_product` makes that product for one weight and bias,
-checked once, for a plan's every step (decode_path.py, rows.py).
+weight out as the kernel reads it, once, at load; `pack` lays a weight out as the stage keeps it
+packed (the tiles', else fma_blocks' where `blocks_pack`, else oneDNN's); `packed_product`
+multiplies rows by a packed weight, and `bound_product` makes that product for one weight and
+bias, checked once, for a plan's every step (decode_path.py, rows.py).
 
 Knows the kernel's layout and arguments; nothing of models, steps or the network.
 """
@@ -140,11 +141,20 @@ def tiled_if_served(weight: torch.Tensor) -> torch.Tensor | None:
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """A [out, in] weight packed for `packed_product`: the tiles' layout where they serve it, else
-    fma_blocks' where its kernel serves it, else oneDNN's (which must serve its dtype:
-    layouts.can_pack)."""
+    fma_blocks' where `blocks_pack` its dtype and it fits, else oneDNN's (which must serve its
+    dtype: layouts.can_pack)."""
     packed = tiled_if_served(weight)
-    packed = fma_blocks.blocked_if_served(weight) if packed is None else packed
+    if packed is None and fma_blocks.fits(weight) and blocks_pack(weight.dtype):
+        packed = fma_blocks.layout(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight, None) if packed is None else packed
+
+
+def blocks_pack(dtype: torch.dtype) -> bool:
+    """Whether `pack` lays weights of `dtype` out in fma_blocks' blocks on this machine (those whose
+    outputs are whole blocks): its kernel serves the dtype, and the AMX tiles do not take it first."""
+    if dtype not in fma_blocks.DTYPES or fma_blocks.block_kernel(dtype) is None:
+        return False
+    return dtype != torch.bfloat16 or tile_kernel() is None
 
 
 @functools.cache

@@ -12,11 +12,10 @@ import torch
 
 from layerline.bench.machine import FLAGS, this_machine
 from layerline.bench.run import BenchResult
-from layerline.stage_worker.fma_blocks import block_kernel
 from layerline.stage_worker.int4_rows import int4_row_kernel
 from layerline.stage_worker.paged_attention import compiled_kernel
 from layerline.stage_worker.row_kernel import bf16_row_kernel, int8_row_kernel, row_kernel
-from layerline.stage_worker.tiles import tile_kernel
+from layerline.stage_worker.tiles import blocks_pack, tile_kernel
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,10 +33,10 @@ def test_the_bench_records_the_cpu_and_the_kernels_that_served():
     f32, bf16 = torch.float32, torch.bfloat16
     assert machine["kernels"] == {
         "decode_attention": "compiled" if compiled_kernel() is not None else "torch",
-        "float32_products": "fma_blocks" if block_kernel(f32) else "onednn",
-        "bfloat16_products": "amx_tiles" if tile_kernel() else "fma_blocks" if block_kernel(bf16) else "onednn",
-        "float32_row_products": "fma_blocks" if block_kernel(f32) else "compiled" if row_kernel() else "torch",
-        "bfloat16_row_products": "fma_blocks" if block_kernel(bf16) else "compiled" if bf16_row_kernel() else "torch",
+        "float32_products": "fma_blocks" if blocks_pack(f32) else "onednn",
+        "bfloat16_products": "amx_tiles" if tile_kernel() else "fma_blocks" if blocks_pack(bf16) else "onednn",
+        "float32_row_products": "fma_blocks" if blocks_pack(f32) else "compiled" if row_kernel() else "torch",
+        "bfloat16_row_products": "fma_blocks" if blocks_pack(bf16) else "compiled" if bf16_row_kernel() else "torch",
         "int8_row_products": "compiled" if int8_row_kernel() is not None else "torch",
         "int4_row_products": "compiled" if int4_row_kernel() is not None else "torch",
     }

@@ -72,7 +72,9 @@ def test_exact_sums_are_float32s_rounded_once_for_every_count_of_rows(dtype, thr
     generator = torch.Generator().manual_seed(fan_in * out + threads)
     weight = _integers(out, fan_in, generator=generator, dtype=dtype)
     b = _integers(out, generator=generator, dtype=dtype) if bias else None
-    product = tiles.bound_product(tiles.pack(weight), b)
+    packed = tiles.pack(weight)
+    assert fma_blocks.is_blocked(packed)
+    product = tiles.bound_product(packed, b)
     for rows in [*range(1, 31), 40]:
         x = _integers(rows, fan_in, generator=generator, dtype=dtype)
         exact = (x.float() @ weight.float().t() + (0 if b is None else b.float())).to(dtype)
@@ -87,7 +89,9 @@ def test_random_rows_are_within_a_rounding_and_a_row_is_the_same_alone_and_in_a_
     generator = torch.Generator().manual_seed(5)
     weight = torch.randn(3072, 576, generator=generator).to(dtype)
     b = torch.randn(3072, generator=generator).to(dtype)
-    product = tiles.bound_product(tiles.pack(weight), b)
+    packed = tiles.pack(weight)
+    assert fma_blocks.is_blocked(packed)
+    product = tiles.bound_product(packed, b)
     for rows in (torch.randn(13, 576, generator=generator), torch.randn(576, 7, generator=generator).t()):
         x = rows.to(dtype)
         scale = x.double().abs() @ weight.double().t().abs() + b.double().abs()
@@ -98,6 +102,17 @@ def test_random_rows_are_within_a_rounding_and_a_row_is_the_same_alone_and_in_a_
             assert torch.equal(product(x[i : i + 1]), y[i : i + 1])
     x = torch.randn(2, 3, 576, generator=generator).to(dtype)
     assert torch.equal(product(x), product(x.view(6, 576)).view(2, 3, 3072))
+
+
+def test_rows_past_the_widened_buffer_go_in_parts(dtype):
+    """Rows longer than the kernel widens at once (2^20 floats: 252 rows of 4096 inputs) are
+    multiplied in parts, each part's rows in their place: exact sums to the bit, as in one part."""
+    generator = torch.Generator().manual_seed(7)
+    weight = _integers(64, 4096, generator=generator, dtype=dtype)
+    b = _integers(64, generator=generator, dtype=dtype)
+    x = _integers(260, 4096, generator=generator, dtype=dtype)
+    exact = (x.float() @ weight.float().t() + b.float()).to(dtype)
+    torch.testing.assert_close(tiles.bound_product(tiles.pack(weight), b)(x), exact, atol=0, rtol=0)
 
 
 def test_it_refuses_rows_and_biases_it_does_not_take(dtype):
@@ -172,10 +187,16 @@ def test_a_stage_keeps_its_weights_in_blocks_alone_within_a_rounding_of_torchs(d
         assert torch.equal(logits["ours", step].argmax(-1), theirs_step.argmax(-1))
 
 
-def test_the_rule_takes_it_on_intels_cpus_float32_on_all_bfloat16_without_amx(dtype, monkeypatch, tmp_path):
-    """auto: the kernel on an Intel CPU (where it was measured), in bfloat16 not where it has AMX
-    tiles (tiles.py's kernel serves there), torch's on AMD's and where no vendor is named; kernel:
-    everywhere it builds; torch: nowhere."""
-    cases = [("intel", "auto", True), ("intel_amx", "auto", dtype == torch.float32), ("amd", "auto", False)]
+def test_the_rule_takes_it_on_intels_cpus_without_amx_only(dtype, monkeypatch, tmp_path):
+    """auto: the kernel on an Intel CPU without AMX tiles (where it was measured), torch's with
+    them, on AMD's and where no vendor is named; kernel: everywhere it builds; torch: nowhere."""
+    cases = [("intel", "auto", True), ("intel_amx", "auto", False), ("amd", "auto", False)]
     cases += [("other", "auto", False), ("amd", "kernel", True), ("intel", "torch", False)]
     assert_rule(monkeypatch, tmp_path, _chooser(dtype), cases)
+
+
+def test_where_the_amx_tiles_serve_they_take_bfloat16_first(dtype, monkeypatch):
+    """On a CPU with AMX tiles (their kernel serving) bfloat16 weights are the tiles', whatever
+    LAYERLINE_ROW_PRODUCTS says of the blocks; float32's stay the blocks'."""
+    monkeypatch.setattr(tiles, "tile_kernel", lambda: object())
+    assert tiles.blocks_pack(dtype) == (dtype == torch.float32)

@@ -66,7 +66,7 @@ HELD_TEXT = (
 class SchemeFigures:
     quantize: str
     weights_bytes: int  # the tensors the stage holds: parameters and quantized buffers
-    weights_bytes_one_copy: int  # the same without float32's second copy packed for oneDNN (--weight-layout both)
+    weights_bytes_one_copy: int  # the same without a second copy of a weight (--weight-layout both's, where kept)
     decode_tok_s_1: float  # one stream
     decode_tok_s_32: float  # 32 streams, tokens of all of them
     prefill_ms: float  # the first token of HELD_TEXT (about 300 tokens): one step of all of them
@@ -91,9 +91,16 @@ class QuantizeBench:
 
 
 def weights_bytes(model: torch.nn.Module, *, packed: bool = True) -> int:
-    """Bytes of the tensors `model` holds (parameters and buffers, each counted once); without
-    the copies packed for oneDNN unless `packed` (float32's `--weight-layout plain`)."""
-    held = {id(t): t for name, t in model.state_dict(keep_vars=True).items() if packed or "weight_packed" not in name}
+    """Bytes of the tensors `model` holds (parameters and buffers, each counted once); unless
+    `packed`, without the packed copy of a layer that keeps a second one beside it (float32's plain
+    module, bfloat16's [out, in] weight: `--weight-layout both` where it keeps two)."""
+    second = set()
+    for name, module in model.named_modules():
+        if not packed and (
+            getattr(module, "plain", None) is not None or getattr(module, "weight_rows", None) is not None
+        ):
+            second.add(f"{name}.weight_packed" if name else "weight_packed")
+    held = {id(t): t for name, t in model.state_dict(keep_vars=True).items() if name not in second}
     return sum(t.numel() * t.element_size() for t in held.values())
 
 

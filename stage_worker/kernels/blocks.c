@@ -98,7 +98,8 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t i
 }
 
 /* `n` bfloat16 widened into the calling thread's buffer, grown to its largest call (at most
- * WIDENED_FLOATS, or one row past it) and kept for the next; NULL where it cannot be had. */
+ * WIDENED_FLOATS, or TILE rows where they are longer) and kept for the next; NULL where it cannot
+ * be had. */
 static float *widened(const uint16_t *x, int64_t n) {
     static __thread float *buffer;
     static __thread int64_t held;
