@@ -16,7 +16,8 @@
  * 2 TILE sums in registers, 2 TILE FMAs for each input's weights. Each thread takes an even share
  * of the blocks and sweeps each block once a tile of rows (from the second-level cache after the
  * first), asking for the next block meanwhile, a share in each sweep (at 32 rows and more, asking
- * only in the first left the first sweep waiting on memory: float32, 30 layers, 32 rows 44 -> 36 ms).
+ * only in the first left the first sweep waiting on memory: float32, 30 layers, 32 rows 44 -> 36 ms),
+ * and in the first sweep for the block's own weights AHEAD_BYTES ahead.
  *
  * Each output is its own float32 sum over the inputs in order, the same at any row count (a lone
  * row's output equals its output in any batch, to the bit), plus the bias; in bfloat16 rounded
@@ -35,6 +36,10 @@
 
 int layerline_blocks(void) { return 1; }
 
+/* The first sweep of a block reads it from memory and asks for its weights this far ahead: a lone
+ * bfloat16 stream on SmolLM2, 8 interleaved rounds, 2 stages 57.3 -> 62.2 tok/s, 1 stage 65.4 ->
+ * 67.8 (the hardware's prefetcher alone starts each of a step's 121 products cold). */
+#define AHEAD_BYTES 4096
 #define TILE 12 /* rows a sweep: 24 sums, the 2 weights' vectors and a broadcast in 32 registers */
 #define WIDENED_FLOATS (1 << 20) /* at most 4 MiB of widened bfloat16 rows at once: longer prompts in parts */
 #define EVEN(v) _mm512_castsi512_ps(_mm512_slli_epi32((v), 16))
@@ -67,6 +72,10 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t i
     for (int q = 0; q < TILE; ++q) a[q][0] = a[q][1] = _mm512_setzero_ps();
     int64_t ahead = next ? phase : in; /* the next input of the next block to ask for */
     for (int64_t k = 0; k < in; ++k) {
+        if (phase == 0) { /* the first sweep reads this block from memory: ask ahead */
+            _mm_prefetch((const char *)wb + k * width + AHEAD_BYTES, _MM_HINT_T0);
+            if (!bf16) _mm_prefetch((const char *)wb + k * width + AHEAD_BYTES + 64, _MM_HINT_T0);
+        }
         if (k == ahead) {
             _mm_prefetch((const char *)next + k * width, _MM_HINT_T1);
             if (!bf16) _mm_prefetch((const char *)next + k * width + 64, _MM_HINT_T1);
