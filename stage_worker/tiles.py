@@ -141,7 +141,7 @@ def tiled_if_served(weight: torch.Tensor) -> torch.Tensor | None:
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """A [out, in] weight packed for `packed_product`: the tiles' layout where they serve it, else
-    fma_blocks' where `blocks_pack` its dtype and it fits, else oneDNN's (which must serve its
+    fma_blocks' where `blocks_pack(dtype)` and it fits, else oneDNN's (which must serve its
     dtype: layouts.can_pack)."""
     packed = tiled_if_served(weight)
     if packed is None and fma_blocks.fits(weight) and blocks_pack(weight.dtype):
@@ -166,18 +166,18 @@ def tile_kernel() -> native.PagedAttentionKernel | None:
     try:
         kernel = native.load()
     except native.KernelUnavailable as e:
-        log.info("bfloat16 products: oneDNN's (no compiled kernel: %s)", e)
+        log.info("bfloat16 AMX tiles: not used (no compiled kernel: %s)", e)
         return None
     if not kernel.unchecked["tiles_ready"]():
-        log.info("bfloat16 products: oneDNN's (no AMX tiles for %s on this CPU)", kernel.path)
+        log.info("bfloat16 AMX tiles: not used (none for %s on this CPU)", kernel.path)
         return None
     try:
         exact = all(_is_onednns(kernel, *shape, bias) for shape in CHECKED for bias in (False, True))
     except (OSError, ValueError, RuntimeError) as e:
-        log.warning("bfloat16 products: oneDNN's (%s failed its check: %s)", kernel.path, e)
+        log.warning("bfloat16 AMX tiles: not used (%s failed its check: %s)", kernel.path, e)
         return None
     if not exact:
-        log.warning("bfloat16 products: oneDNN's (%s does not give oneDNN's numbers)", kernel.path)
+        log.warning("bfloat16 AMX tiles: not used (%s does not give oneDNN's numbers)", kernel.path)
         return None
     log.info("bfloat16 products: AMX tiles (%s)", kernel.path)
     return kernel
