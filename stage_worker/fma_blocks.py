@@ -37,6 +37,7 @@ import torch
 from layerline.shared.cpu import cpu_flags, cpu_vendor
 
 from . import native
+from .laid_out import LaidOut
 from .row_kernel import TOLERANCE, checked_kernel
 
 BLOCK = 32  # outputs a block: 32 weights of one input
@@ -75,9 +76,9 @@ def is_blocked(weight: torch.Tensor) -> bool:
     return weight.shape[2:] == ((2, BLOCK // 2) if weight.dtype == torch.float32 else (BLOCK // 2, 2))
 
 
-class BoundBlocks:
-    """x W^T + b by one weight in the kernel's layout (`layout`) and its bias, checked once: a call
-    checks only its rows. It holds the tensors and reads their addresses at each call."""
+class BoundBlocks(LaidOut):
+    """x W^T + b by one weight in the kernel's layout (`layout`) and its bias, checked once
+    (laid_out.LaidOut)."""
 
     def __init__(self, blocked: torch.Tensor, bias: torch.Tensor | None) -> None:
         dtype = blocked.dtype
@@ -86,28 +87,10 @@ class BoundBlocks:
             raise ValueError(f"no {dtype} block kernel serves on this CPU")
         if not is_blocked(blocked) or not blocked.is_contiguous() or blocked.device.type != "cpu":
             raise ValueError(f"weight {list(blocked.shape)} {dtype}: not a contiguous CPU block layout")
-        out = blocked.shape[0] * BLOCK
-        if bias is not None and not (bias.shape == (out,) and bias.dtype == dtype and bias.is_contiguous()):
-            raise ValueError(f"a bias of {out} contiguous {dtype}, not {list(bias.shape)} {bias.dtype}")
-        if bias is not None and bias.device.type != "cpu":
-            raise ValueError("a bias on the CPU for this weight")
-        self._fn, self._path = kernel.unchecked[DTYPES[dtype]], kernel.path
-        self._blocked, self._bias, self._out, self._in, self._dtype = blocked, bias, out, blocked.shape[1], dtype
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # A step's rows are [rows, in] and contiguous already: as they are, a call checks four things.
-        if x.dim() == 2 and x.dtype == self._dtype and x.shape[1] == self._in and x.is_cpu:
-            rows = x if x.is_contiguous() and not x.is_neg() else x.resolve_neg().contiguous()
-            n = rows.shape[0]
-            y = torch.empty(n, self._out, dtype=self._dtype)
-            w, b = self._blocked.data_ptr(), None if self._bias is None else self._bias.data_ptr()
-            if n and self._fn(rows.data_ptr(), w, b, n, self._out, self._in, torch.get_num_threads(), y.data_ptr()):
-                raise MemoryError(f"{self._path}: no buffer for {n} rows of {self._in} float32")
-            return y
-        if x.dim() == 0 or x.shape[-1] != self._in or x.dtype != self._dtype or x.device.type != "cpu":
-            shape = list(self._blocked.shape)
-            raise ValueError(f"rows {list(x.shape)} {x.dtype} for blocks {shape}: in {self._in}, {self._dtype}, CPU")
-        return self(x.reshape(-1, self._in)).view(*x.shape[:-1], self._out)
+        out, fan_in, path = blocked.shape[0] * BLOCK, blocked.shape[1], kernel.path
+        no_buffer = lambda rows: MemoryError(f"{path}: no buffer for {rows} rows of {fan_in} float32")  # noqa: E731
+        fn = kernel.unchecked[DTYPES[dtype]]
+        super().__init__(fn, path, blocked, bias, out=out, fan_in=fan_in, dtype=dtype, name="blocks", failure=no_buffer)
 
 
 @functools.cache

@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 
 from . import fma_blocks, native
+from .laid_out import LaidOut
 
 log = logging.getLogger(__name__)
 
@@ -63,18 +64,13 @@ def is_tiled(weight: torch.Tensor) -> bool:
     return blocks and weight.dtype == torch.bfloat16
 
 
-def _checked(tiles: torch.Tensor, bias: torch.Tensor | None) -> native.PagedAttentionKernel:
-    """The kernel that multiplies by `tiles` and `bias`; ValueError where none serves or they do not fit."""
+def _checked(tiles: torch.Tensor) -> native.PagedAttentionKernel:
+    """The kernel that multiplies by `tiles`; ValueError where none serves or they are not its layout."""
     kernel = tile_kernel()
     if kernel is None:
         raise ValueError("no AMX tile kernel serves on this CPU")
     if not is_tiled(tiles) or not tiles.is_contiguous() or tiles.device.type != "cpu":
         raise ValueError(f"tiles {list(tiles.shape)} {tiles.dtype}: not a contiguous CPU tile layout")
-    out = tiles.shape[0] * BLOCK_OUT
-    if bias is not None and (bias.shape != (out,) or bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
-        raise ValueError(f"a bias of {out} contiguous bfloat16 for these tiles, not {list(bias.shape)} {bias.dtype}")
-    if bias is not None and bias.device.type != "cpu":
-        raise ValueError("a bias on the CPU for these tiles")
     return kernel
 
 
@@ -84,30 +80,17 @@ def product(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> 
     return _BoundTiles(tiles, bias)(x)
 
 
-class _BoundTiles:
-    """`product` by one tile layout and bias, checked once: a call checks only its rows. It holds
-    the tensors and reads their addresses at each call (a tensor's storage can be swapped)."""
+class _BoundTiles(LaidOut):
+    """`product` by one tile layout and bias, checked once (laid_out.LaidOut)."""
 
     def __init__(self, tiles: torch.Tensor, bias: torch.Tensor | None) -> None:
-        kernel = _checked(tiles, bias)
-        self._fn, self._path = kernel.unchecked["tile_linear"], kernel.path
-        self._tiles, self._bias = tiles, bias
-        self._out, self._in = tiles.shape[0] * BLOCK_OUT, tiles.shape[1] * BLOCK_IN
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # A step's rows are [rows, in] and contiguous already: as they are, a call checks four things.
-        if x.dim() == 2 and x.dtype == torch.bfloat16 and x.shape[1] == self._in and x.is_cpu:
-            rows = x if x.is_contiguous() else x.contiguous()
-            n, out = rows.shape[0], self._out
-            y = torch.empty(n, out, dtype=torch.bfloat16)  # no gradient kept, as oneDNN's
-            w, b = self._tiles.data_ptr(), None if self._bias is None else self._bias.data_ptr()
-            if n and self._fn(rows.data_ptr(), w, b, n, out, self._in, torch.get_num_threads(), y.data_ptr()):
-                raise ValueError(f"{self._path} has no AMX code")
-            return y
-        if x.dim() == 0 or x.shape[-1] != self._in or x.dtype != torch.bfloat16 or x.device.type != "cpu":
-            shape = list(self._tiles.shape)
-            raise ValueError(f"rows {list(x.shape)} {x.dtype} for tiles {shape}: in {self._in}, bfloat16, CPU")
-        return self(x.reshape(-1, self._in)).view(*x.shape[:-1], self._out)
+        kernel = _checked(tiles)
+        out, fan_in = tiles.shape[0] * BLOCK_OUT, tiles.shape[1] * BLOCK_IN
+        fn, path = kernel.unchecked["tile_linear"], kernel.path
+        no_amx = lambda rows: ValueError(f"{path} has no AMX code")  # noqa: E731
+        super().__init__(
+            fn, path, tiles, bias, out=out, fan_in=fan_in, dtype=torch.bfloat16, name="tiles", failure=no_amx
+        )
 
 
 def bound_product(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
