@@ -12,8 +12,9 @@ bfloat16, oneDNN's packed weights against the kernel: 8 rows 22-28 -> 13-15, 16 
 12.3-16.6 -> 7.8-9.8; a lone row 7.7 where the bfloat16 row kernel on the [out, in] weight took
 8.0. float32, oneDNN's packed weights / MKL's [in, out] / the kernel: 1 row 22.5-28.5 / 18.6-19.4 /
 16.3-16.8, 16 rows 35.5-41.4 / 43.6-45.9 / 24.9-26.3, 32 rows 49-55 / 49.6-50.7 / 35.4-36.8, 64 rows
-78.6-81.9 / 76.3-79.6 / 63.6-65.9. So where this kernel serves, a stage keeps its weights in these
-blocks alone, one copy (layouts.PackedLinear), for every row count.
+78.6-81.9 / 76.3-79.6 / 63.6-65.9, but 316 rows (a long prompt) 317 / 272 / 342. So where this
+kernel serves, a stage keeps its weights in these blocks alone, one copy (layouts.PackedLinear),
+for every row count.
 
 `block_kernel(dtype)` decides by `LAYERLINE_ROW_PRODUCTS` (row_kernel.py) with its own `auto`: on
 Intel's CPUs without AMX tiles, where it was measured; torch's elsewhere (on AMX Xeons bfloat16 has

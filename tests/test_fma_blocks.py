@@ -33,8 +33,12 @@ def _chooser(dtype: torch.dtype):
 
 @pytest.fixture(params=DTYPES, ids=["float32", "bfloat16"])
 def dtype(request, monkeypatch):
-    """Each dtype, its block kernel where this machine's build has it (`kernel`), for this test only."""
-    yield from (request.param for _ in chosen(monkeypatch, _chooser(request.param), "no kernel with AVX-512 here"))
+    """Each dtype, its block kernel where this machine's build has it (`kernel`) and the blocks pack
+    it (not bfloat16 where the AMX tiles serve), for this test only."""
+    for _ in chosen(monkeypatch, _chooser(request.param), "no kernel with AVX-512 here"):
+        if not tiles.blocks_pack(request.param):
+            pytest.skip(f"the AMX tiles take {request.param} here")
+        yield request.param
 
 
 def _integers(*shape: int, generator: torch.Generator, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -286,8 +286,9 @@ def test_one_decoding_row_runs_off_the_modules_on_packed_weights_too(tmp_path, d
     the modules give for the same step, and the same greedy tokens, on 2 threads."""
     from dataclasses import replace
 
-    from layerline.stage_worker import fma_blocks, row_kernel
+    from layerline.stage_worker import row_kernel
     from layerline.stage_worker.layouts import PackedLinear
+    from layerline.stage_worker.tiles import blocks_pack
 
     from .pipeline import cache_for
 
@@ -299,7 +300,7 @@ def test_one_decoding_row_runs_off_the_modules_on_packed_weights_too(tmp_path, d
     # float32 packs on every CPU oneDNN serves; bfloat16 only on one with bfloat16 instructions
     # (elsewhere its layers keep the plain layouts, whose row path the test above covers).
     assert all(m.plain is None for m in packed) and (packed or dtype == torch.bfloat16)
-    rows = dtype == torch.bfloat16 and bool(packed) and fma_blocks.block_kernel(dtype) is None
+    rows = dtype == torch.bfloat16 and bool(packed) and not blocks_pack(dtype)
     rows = rows and row_kernel.bf16_row_kernel() is not None
     assert all((m.weight_rows is not None) == rows for m in packed)
     bound = getattr(stage.row_path.plan(2).layers[0].gate_up.product, "__self__", None)

@@ -12,9 +12,9 @@ import torch
 from layerline.plan.profile import MachineProfile, ProfileError
 from layerline.plan.shapes import Placement, load_model_config, memory_per_rank
 from layerline.shared.model_config import LayerRange, ModelConfig
-from layerline.stage_worker.fma_blocks import block_kernel
 from layerline.stage_worker.layouts import can_pack, weight_copies
 from layerline.stage_worker.row_kernel import bf16_row_kernel
+from layerline.stage_worker.tiles import blocks_pack
 from layerline.stage_worker.weights import held_bytes, load_stage
 
 from .test_plan import a_profile
@@ -40,7 +40,7 @@ def test_the_planned_weights_are_what_a_loaded_stage_holds(checkpoint, dtype, la
     assert planned.weights == held_bytes(stage)
     # Two copies exactly where `both` keeps a second layout on this machine, one everywhere else.
     second = layout == "both" and can_pack(getattr(torch, dtype), "cpu")
-    second = second and block_kernel(getattr(torch, dtype)) is None  # the blocks are the only copy
+    second = second and not blocks_pack(getattr(torch, dtype))  # the blocks are the only copy
     second = second and (dtype == "float32" or bf16_row_kernel() is not None)
     assert copies == 1 + second
 

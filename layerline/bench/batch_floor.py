@@ -4,9 +4,10 @@ Owns `BatchFloor`. A decode step of B sequences multiplies every weight of the m
 and at B = 32 those products are most of the step's time. This measures them alone, in the
 bench's own process: a stage of the model's shapes holding all its layers, random weights in
 the layouts a stage gives them (`apply_layouts`: packed weights where they serve the dtype, as
-`--weight-layout both` keeps them: oneDNN's, or in bfloat16 on a CPU with AMX the tile kernel's
-of stage_worker/tiles.py), and of it only the linear layers and the LM head, called on random
-inputs of B rows: no attention, KV cache, norms, rotary, sampling, scheduler or messages.
+`--weight-layout both` keeps them: oneDNN's, in bfloat16 on a CPU with AMX the tile kernel's
+of stage_worker/tiles.py, or where they serve stage_worker/fma_blocks.py's), and of it only the
+linear layers and the LM head, called on random inputs of B rows: no attention, KV cache, norms,
+rotary, sampling, scheduler or messages.
 `generate(tokens)` times as many such steps as a request decodes tokens, so that its tokens/s
 stands beside transformers' batch in the same round.
 

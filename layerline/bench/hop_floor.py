@@ -12,8 +12,8 @@ the cores could keep of 1 stage's tokens a second.
 
 A relay stage is a process of its own (relay_stage.py): the model's matmuls on random weights
 seeded by layer index, in a stage's OpenMP environment, so both relays compute the same function
-and return the same tokens; at several rows a step on packed weights (oneDNN's, or for AMX tiles
-where they serve), as a stage's are.
+and return the same tokens; at several rows a step on packed weights (oneDNN's, or AMX tiles or
+FMA blocks where they serve), as a stage's are.
 
 Knows a model by its config's shapes only: no checkpoint, tokenizer or coordinator.
 """

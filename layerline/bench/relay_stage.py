@@ -93,7 +93,7 @@ async def _serve_stage(
 
     def weight(seed: int, rows: int, cols: int) -> torch.Tensor:
         w = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * cols**-0.5).to(kind)
-        return pack(w) if packed else w  # as layouts.PackedLinear packs: AMX tiles where they serve, else oneDNN
+        return pack(w) if packed else w  # as layouts.PackedLinear packs: AMX tiles or FMA blocks where they serve
 
     def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return packed_product(x, w, None) if packed else F.linear(x, w)  # packed: as a stage's several rows

@@ -127,47 +127,46 @@ static float *widened(const uint16_t *x, int64_t n) {
     return buffer;
 }
 
-/* Rows xs [n, in] (float32) times every block, into y's rows, on `threads` threads. */
+/* Rows xs [n, in] (float32) times this thread's share of the blocks, into y's rows; called in a
+ * parallel region of each exported function, so that `bf16` is a constant in each (one region in
+ * here would be outlined with `bf16` a variable). */
 static inline __attribute__((always_inline)) void linear(const float *xs, const void *w, const void *bias, int64_t n,
-                                                         int64_t out, int64_t in, int threads, int bf16, void *y) {
+                                                         int64_t out, int64_t in, int bf16, void *y) {
     const int64_t blocks = out / 32, width = bf16 ? 2 : 4; /* bytes a weight */
-#pragma omp parallel num_threads(threads)
-    {
-        const int64_t t = omp_get_thread_num(), team = omp_get_num_threads();
-        const int64_t first = blocks * t / team, last = blocks * (t + 1) / team;
-        for (int64_t b = first; b < last; ++b) {
-            const char *wb = (const char *)w + b * in * 32 * width;
-            __m512 low_bias = _mm512_setzero_ps(), high_bias = low_bias;
-            if (bias && bf16) {
-                const __m512i v = _mm512_loadu_si512((const uint16_t *)bias + b * 32);
-                low_bias = widen16(_mm512_castsi512_si256(v)), high_bias = widen16(_mm512_extracti64x4_epi64(v, 1));
-            } else if (bias) {
-                low_bias = _mm512_loadu_ps((const float *)bias + b * 32);
-                high_bias = _mm512_loadu_ps((const float *)bias + b * 32 + 16);
-            }
-            const void *next = b + 1 < last ? wb + in * 32 * width : NULL;
-            const int64_t sweeps = (n + TILE - 1) / TILE;
-            for (int64_t q0 = 0; q0 < n; q0 += TILE) {
-                const int nx = n - q0 < TILE ? (int)(n - q0) : TILE;
-                const float *xq = xs + q0 * in;
-                char *yq = (char *)y + (q0 * out + b * 32) * width;
+    const int64_t t = omp_get_thread_num(), team = omp_get_num_threads();
+    const int64_t first = blocks * t / team, last = blocks * (t + 1) / team;
+    for (int64_t b = first; b < last; ++b) {
+        const char *wb = (const char *)w + b * in * 32 * width;
+        __m512 low_bias = _mm512_setzero_ps(), high_bias = low_bias;
+        if (bias && bf16) {
+            const __m512i v = _mm512_loadu_si512((const uint16_t *)bias + b * 32);
+            low_bias = widen16(_mm512_castsi512_si256(v)), high_bias = widen16(_mm512_extracti64x4_epi64(v, 1));
+        } else if (bias) {
+            low_bias = _mm512_loadu_ps((const float *)bias + b * 32);
+            high_bias = _mm512_loadu_ps((const float *)bias + b * 32 + 16);
+        }
+        const void *next = b + 1 < last ? wb + in * 32 * width : NULL;
+        const int64_t sweeps = (n + TILE - 1) / TILE;
+        for (int64_t q0 = 0; q0 < n; q0 += TILE) {
+            const int nx = n - q0 < TILE ? (int)(n - q0) : TILE;
+            const float *xq = xs + q0 * in;
+            char *yq = (char *)y + (q0 * out + b * 32) * width;
 #define TILE_OF(rows_) tile(xq, in, rows_, bf16, wb, next, q0 / TILE, sweeps, low_bias, high_bias, yq, out)
-                switch (nx) { /* each a tile with its loops unrolled */
-                case 1: TILE_OF(1); break;
-                case 2: TILE_OF(2); break;
-                case 3: TILE_OF(3); break;
-                case 4: TILE_OF(4); break;
-                case 5: TILE_OF(5); break;
-                case 6: TILE_OF(6); break;
-                case 7: TILE_OF(7); break;
-                case 8: TILE_OF(8); break;
-                case 9: TILE_OF(9); break;
-                case 10: TILE_OF(10); break;
-                case 11: TILE_OF(11); break;
-                default: TILE_OF(TILE); break;
-                }
-#undef TILE_OF
+            switch (nx) { /* each a tile with its loops unrolled */
+            case 1: TILE_OF(1); break;
+            case 2: TILE_OF(2); break;
+            case 3: TILE_OF(3); break;
+            case 4: TILE_OF(4); break;
+            case 5: TILE_OF(5); break;
+            case 6: TILE_OF(6); break;
+            case 7: TILE_OF(7); break;
+            case 8: TILE_OF(8); break;
+            case 9: TILE_OF(9); break;
+            case 10: TILE_OF(10); break;
+            case 11: TILE_OF(11); break;
+            default: TILE_OF(TILE); break;
             }
+#undef TILE_OF
         }
     }
 }
@@ -175,7 +174,8 @@ static inline __attribute__((always_inline)) void linear(const float *xs, const 
 /* float32: 0 done. */
 int layerline_blocks_f32_linear(const float *restrict x, const float *restrict w, const float *restrict bias,
                                 int64_t rows, int64_t out, int64_t in, int threads, float *restrict y) {
-    linear(x, w, bias, rows, out, in, threads, 0, y);
+#pragma omp parallel num_threads(threads)
+    linear(x, w, bias, rows, out, in, 0, y);
     return 0;
 }
 
@@ -189,7 +189,8 @@ int layerline_blocks_bf16_linear(const uint16_t *restrict x, const uint16_t *res
         const int64_t n = rows - r0 < part ? rows - r0 : part;
         const float *xs = widened(x + r0 * in, n * in);
         if (!xs) return -1;
-        linear(xs, w, bias, n, out, in, threads, 1, y + r0 * out);
+#pragma omp parallel num_threads(threads)
+        linear(xs, w, bias, n, out, in, 1, y + r0 * out);
     }
     return 0;
 }
