@@ -94,12 +94,16 @@ def weights_bytes(model: torch.nn.Module, *, packed: bool = True) -> int:
     """Bytes of the tensors `model` holds (parameters and buffers, each counted once); unless
     `packed`, without the packed copy of a layer that keeps a second one beside it (float32's plain
     module, bfloat16's [out, in] weight: `--weight-layout both` where it keeps two)."""
-    second = set()
-    for name, module in model.named_modules():
-        if not packed and (
-            getattr(module, "plain", None) is not None or getattr(module, "weight_rows", None) is not None
-        ):
-            second.add(f"{name}.weight_packed" if name else "weight_packed")
+    beside = ("plain", "weight_rows")  # what a packed layer may keep beside its packed weight
+    second = (
+        set()
+        if packed
+        else {
+            f"{name}.weight_packed" if name else "weight_packed"
+            for name, module in model.named_modules()
+            if any(getattr(module, key, None) is not None for key in beside)
+        }
+    )
     held = {id(t): t for name, t in model.state_dict(keep_vars=True).items() if name not in second}
     return sum(t.numel() * t.element_size() for t in held.values())
 
