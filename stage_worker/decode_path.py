@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from .kv_cache import PagedKVCache, StepLayout
+from .layer_stack import LayerStack
 from .llama import DecoderLayer, StageModel
 from .step_kernels import bind
 from .tiles import is_packed
@@ -62,6 +63,7 @@ class DecodePath:
     def __init__(self, model: StageModel) -> None:
         self.model = model
         self.layers = _plan(model)
+        self.stack = LayerStack.of(model) if self.layers else None  # the FMA blocks': the layers in one call
 
     def __call__(
         self,
@@ -86,7 +88,9 @@ class DecodePath:
             return None  # every layer's norm weights share one dtype (`_plan`)
         # Each residual's sum and the norm after it in one call (`add_norm`): the modules' `x + y`
         # and norm, to the bit: for SmolLM2's 30 layers 61 calls (and adds) instead of 120.
-        normed = kernels.norm(x, layers[0].input_norm, eps)
+        normed = x if self.stack is not None else kernels.norm(x, layers[0].input_norm, eps)
+        if self.stack is not None:  # the same calls on the same tensors, in C (layer_stack.py)
+            x, layers = self.stack(x, kernels, cache), ()
         for i, layer in enumerate(layers):
             qkv = layer.qkv(normed)  # [D, (h + 2 kvh) d]
             attended = layer.o(kernels.attend(qkv, cache.k[layer.layer_id], cache.v[layer.layer_id]))

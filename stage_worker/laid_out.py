@@ -42,6 +42,11 @@ class LaidOut:
         self._fn, self._path, self._failure, self._name, self._kind = fn, path, failure, name, kind
         self._weight, self._bias, self._out, self._in, self._dtype = weight, bias, out, fan_in, dtype
 
+    @property
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
+        """What a call hands the kernel besides the rows: the laid-out weight, the bias, out and in."""
+        return self._weight, self._bias, self._out, self._in
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # A step's rows are [rows, in] and contiguous already: as they are, a call checks four things.
         if x.dim() == 2 and x.dtype == self._dtype and x.shape[1] == self._in and x.is_cpu:

@@ -1,10 +1,10 @@
 """The stage's compiled CPU kernels: C shipped in kernels/, compiled once per machine, called via ctypes.
 
 One library: a decode batch's attention off the paged pools (`PagedAttentionKernel` called), its
-rotary with the new keys and values written to the pools (`rotate_and_store`), RMSNorm (`rms_norm`),
-and the MLP's SiLU of the gate times the up projection (`silu_mul`), all of kernels/paged_attention.c;
-bfloat16 products on AMX tiles (kernels/tiles.c, see tiles.py); float32 and bfloat16 on FMAs (blocks.c);
-products of a few rows (kernels/rows.c and int4.c: row_kernel.py, int4_rows.py).
+rotary with the new keys and values written to the pools (`rotate_and_store`), RMSNorm (`rms_norm`)
+and the MLP's SiLU of the gate times the up (`silu_mul`), of kernels/paged_attention.c; bfloat16
+products on AMX tiles (tiles.c, tiles.py); float32 and bfloat16 on FMAs (blocks.c), a step's layers
+on them in one call (layers.c, layer_stack.py); a few rows' (rows.c, int4.c: row_kernel.py, int4_rows.py).
 
 Owns finding a C compiler ($CC, else `cc`, else `gcc`), compiling the SOURCES for
 the CPU it runs on (`-O3 -march=native -fopenmp`; without `-march=native` where the compiler
@@ -45,7 +45,8 @@ from layerline.model_store.store import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).parent / "kernels" / f"{n}.c" for n in "paged_attention tiles rows int4 blocks".split())
+_NAMES = "paged_attention tiles rows int4 blocks layers"
+SOURCES = tuple(Path(__file__).parent / f"kernels/{n}.c" for n in _NAMES.split())
 ENV = "LAYERLINE_KERNELS"  # "auto" (the default): compile and use the kernel; "torch": torch's path only
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 FLAG_SETS = (("-march=native", *FLAGS), FLAGS)  # tried in order
@@ -71,6 +72,7 @@ SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "blocks": ([], _INT),
     "blocks_f32_linear": ([_P, _P, _P, _I, _I, _I, _INT, _P], _INT),
     "blocks_bf16_linear": ([_P, _P, _P, _I, _I, _I, _INT, _P], _INT),
+    "blocks_layers": ([_I, _P, _P, _P, _P, _INT, _FLOAT, _FLOAT, _INT, _INT, _P, _P], _INT),
     "rows_i8_vectorized": ([], _INT),
     "rows_i8": ([_P, _P, _P, _P, _P, _I, _I, _I, _INT, _P], None),
     "rows_i4_vectorized": ([], _INT),
@@ -137,11 +139,9 @@ class PagedAttentionKernel:
         self.path = path
         library = ctypes.CDLL(str(path))
         # The C functions by name, unchecked: the methods below check their arguments (step_kernels.py a step's)
-        self.unchecked: dict[str, Any] = {}
+        self.unchecked: dict[str, Any] = {name: getattr(library, f"layerline_{name}") for name in SIGNATURES}
         for name, (argtypes, restype) in SIGNATURES.items():
-            function = getattr(library, f"layerline_{name}")
-            function.argtypes, function.restype = argtypes, restype
-            self.unchecked[name] = function
+            self.unchecked[name].argtypes, self.unchecked[name].restype = argtypes, restype
         self._fn, self._store = self.unchecked["paged_attention"], self.unchecked["rotate_and_store"]
         self._norm, self._silu = self.unchecked["rms_norm"], self.unchecked["silu_mul"]
 

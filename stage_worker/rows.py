@@ -30,6 +30,7 @@ from torch import nn
 
 from .fused import norm_kernel, silu_kernel
 from .kv_cache import PagedKVCache, StepLayout
+from .layer_stack import LayerStack
 from .llama import DecoderLayer, StageModel, decode_attention, rms_norm
 from .row_kernel import bind as bind_row_kernel
 from .step_kernels import bind
@@ -181,6 +182,7 @@ class RowPath:
     def __init__(self, model: StageModel) -> None:
         self.model = model
         self._plans: dict[int, _RowPlan | None] = {}
+        self.stack = LayerStack.of(model)  # where the FMA blocks serve every product: the layers in one call
 
     def plan(self, threads: int) -> _RowPlan | None:
         """The layers' and the head's row weights on `threads` threads; None unless every linear
@@ -232,10 +234,13 @@ class RowPath:
         if kernels is not None and kernels.norms and x.dtype == plan.norm_dtype:
             norm, silu_mul = kernels.norm, kernels.silu
         new = slots.stop - 1  # the new token's slot
+        layers = plan.layers
+        if self.stack is not None and kernels is not None and norm is not row_norm:  # the same calls, in C
+            x, layers = self.stack(x.contiguous(), kernels, cache), ()  # (layer_stack.py)
         # Slices and views rather than split, chunk and transposes: each call after a product runs
         # cold, and these are most of a layer's calls (a step in bfloat16 20.4-20.6 against
         # 21.0-21.4 ms, float32 25.0 against 26.0; one process, two threads, Intel Xeon with AMX).
-        for layer in plan.layers:
+        for layer in layers:
             qkv = layer.qkv.product(norm(x, layer.input_norm, eps))  # [1, (h + 2 kvh) d]
             if kernels is not None:
                 x = layer.o.add_product(x, kernels.attend(qkv, cache.k[layer.layer_id], cache.v[layer.layer_id]))

@@ -27,6 +27,9 @@ kv heads, head_dim]); nothing of models, weights, the engine or the network.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from . import native
@@ -38,6 +41,23 @@ from .paged_attention import compiled_kernel, reads_pools, rotary_kernel, step_d
 def _check(t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, what: str) -> None:
     if t.shape != shape or t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError(f"{what} must be a contiguous {list(shape)} {dtype} CPU tensor, not {list(t.shape)} {t.dtype}")
+
+
+@dataclass(frozen=True)
+class StepArguments:
+    """A bound step's arguments to the C functions: the functions (`PagedAttentionKernel.unchecked`);
+    the addresses of cos, sin, the write slots, the block tables and the lengths, checked against
+    `pool` ([slots, kv heads, head_dim], each layer's pools); the tables' width and block size;
+    the threads of its kernels other than the products; its query heads and SiLU's halves' width."""
+
+    functions: dict[str, Any]
+    addresses: tuple[int, int, int, int, int]
+    pool: tuple[int, int, int]
+    width: int
+    block: int
+    threads: int
+    heads: int
+    silu_width: int
 
 
 class StepKernels:
@@ -76,6 +96,15 @@ class StepKernels:
         self._qkv = (rows, (heads + 2 * kv_heads) * d)
         # A lone row on one thread: the kernels share out sequences and rows, and there is one of each.
         self._threads = 1 if rows == 1 else torch.get_num_threads()
+
+    @property
+    def bound(self) -> StepArguments:
+        """What the step binds, for a caller of the C functions that runs the layers itself (layer_stack.py)."""
+        b = self._batch
+        addresses = (self._cos.data_ptr(), self._sin.data_ptr(), self._slots.slots.data_ptr())
+        tables = (b.tables.data_ptr(), b.lens.data_ptr())
+        shape = (self._pool, b.tables.shape[1], b.block, self._threads, self._heads, self._width)
+        return StepArguments(self._fn, (*addresses, *tables), *shape)
 
     def attend(self, qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
         """For the rows' qkv [rows, (h + 2 kvh) d] (each row q | k | v): the rotated keys and the
