@@ -10,7 +10,10 @@ weights as a single row multiplies them (`RowWeight`: on several threads, blocks
 columns, so that each thread streams its own part of a weight; layouts.py says what it measured).
 The module path stays the reference: tests/test_model_core.py checks both give the same logits.
 A layer's rotary, KV writes and attention go through the compiled kernels where they serve
-(step_kernels.py: two calls a layer), else through torch's operations below.
+(step_kernels.py: two calls a layer), else through torch's operations below. Where every product
+is the FMA blocks' and the kernels' norms serve, the layers are one call (layer_stack.py: the same
+calls in C; SmolLM2's 29 layers on an Intel Xeon without AMX, bfloat16 10.6 -> 8.4 ms, float32
+19.9 -> 16.6).
 
 It serves a step when the layouts offer every layer's row weight, on one rank (the path has no
 collectives), for a token whose context is one run of cache slots (`StepLayout.decode_slots`);
