@@ -38,7 +38,7 @@ from torch import nn
 from .kv_cache import PagedKVCache, StepLayout
 from .layer_stack import LayerStack
 from .llama import DecoderLayer, StageModel
-from .step_kernels import bind
+from .step_kernels import StepKernels, bind
 from .tiles import is_packed
 
 # x -> x W^T + b by a packed weight (oneDNN's, the tiles' or fma_blocks') and its bias, as
@@ -88,20 +88,10 @@ class DecodePath:
         kernels = bind(layout, cos, sin, pool=pool, heads=model.shards.num_heads, silu_width=model.shards.intermediate)
         if kernels is None or not kernels.norms or x.dtype != kernels.dtype or layers[0].input_norm.dtype != x.dtype:
             return None  # every layer's norm weights share one dtype (`_plan`)
-        # Each residual's sum and the norm after it in one call (`add_norm`): the modules' `x + y`
-        # and norm, to the bit: for SmolLM2's 30 layers 61 calls (and adds) instead of 120.
-        normed = x if self.stack is not None else kernels.norm(x, layers[0].input_norm, eps)
         if self.stack is not None:  # the same calls on the same tensors, in C (layer_stack.py)
-            x, layers = self.stack(x, kernels, cache), ()
-        for i, layer in enumerate(layers):
-            qkv = layer.qkv(normed)  # [D, (h + 2 kvh) d]
-            attended = layer.o(kernels.attend(qkv, cache.k[layer.layer_id], cache.v[layer.layer_id]))
-            x, normed = kernels.add_norm(x, attended, layer.post_attention_norm, eps)
-            down = layer.down(kernels.silu(layer.gate_up(normed)))  # gate_up [D, 2 w]
-            if i + 1 < len(layers):
-                x, normed = kernels.add_norm(x, down, layers[i + 1].input_norm, eps)
-            else:
-                x = x + down
+            x = self.stack(x, kernels, cache)
+        else:
+            x = _layers(x, layers, kernels, cache, eps)
         if model.lm_head is None:
             return x
         assert model.norm is not None  # the last stage holds both
@@ -109,6 +99,25 @@ class DecodePath:
             x = x[logit_rows]
         logits = model.lm_head(model.norm(x))  # [R, vocab padded]
         return logits[:, : model.config.vocab_size].float()
+
+
+def _layers(
+    x: torch.Tensor, layers: tuple[_Layer, ...], kernels: StepKernels, cache: PagedKVCache, eps: float
+) -> torch.Tensor:
+    """The residual after the last of `layers` for the rows x [D, hidden]. Each residual's sum and the
+    norm after it in one call (`add_norm`): the modules' `x + y` and norm, to the bit: for SmolLM2's
+    30 layers 61 calls (and adds) instead of 120."""
+    normed = kernels.norm(x, layers[0].input_norm, eps)
+    for i, layer in enumerate(layers):
+        qkv = layer.qkv(normed)  # [D, (h + 2 kvh) d]
+        attended = layer.o(kernels.attend(qkv, cache.k[layer.layer_id], cache.v[layer.layer_id]))
+        x, normed = kernels.add_norm(x, attended, layer.post_attention_norm, eps)
+        down = layer.down(kernels.silu(layer.gate_up(normed)))  # gate_up [D, 2 w]
+        if i + 1 < len(layers):
+            x, normed = kernels.add_norm(x, down, layers[i + 1].input_norm, eps)
+        else:
+            x = x + down
+    return x
 
 
 def _plan(model: StageModel) -> tuple[_Layer, ...] | None:

@@ -2,19 +2,22 @@
 
 Where every product of a stage's layers is fma_blocks' (the FMA blocks), a step's layers need no
 Python between their kernels: decode_path.py's loop (a decode batch) and rows.py's (a lone row)
-call eleven C functions a layer, and between two of them check the tensors they hand on, make the
-next output and read its address. Measured in one process on 2 cores of an Intel Xeon without
-AMX (SmolLM2's 30 layers, the kernels timed around their calls): a lone bfloat16 row's 15.1 ms
-step spent 9.7 ms in the products, 1.4 in the other kernels and 2.4 in the Python around them; a
-32-row float32 step of 65 ms, 4 ms in that Python. layers.c makes the same calls on the same
-arguments in the same order, so a step's numbers are the loops' to the bit
+make nine C calls a layer, and between two of them check the tensors they hand on, make the next
+output and read its address. Measured in one process on 2 cores of an Intel Xeon without AMX
+(SmolLM2's 30 layers, the kernels timed around their calls): a lone bfloat16 row's 15.1 ms step
+spent 9.7 ms in the products, 1.4 in the other kernels and about 2.4 in the Python around them; a
+32-row float32 step of 65 ms, 4 ms in that Python. layers.c makes the decode batch's calls, on the
+same arguments, in the same order; rows.py's residual sum (torch's add) and the norm after it are
+one call there, the residual's sum and norm kernel that gives torch's numbers to the bit (fused.py
+checks that before the kernels serve). So a step's numbers are the loops' to the bit
 (tests/test_layer_stack.py checks both paths against it).
 
 Owns `LayerStack`: made once for a stage's model (`of`): None unless it has one rank and each of
 its layers' four products is an `fma_blocks.BoundBlocks` of one dtype, their norms of that dtype.
 A call takes the step's bound kernels (step_kernels.StepKernels, where their RMSNorm and SiLU
-serve), checks what the C will read against them (the rows, each layer's pools), and returns the
-residual after the last layer: what the loops return before the final norm and the head.
+serve), checks what the C will read against them (the rows, each layer's pools; the weights'
+addresses are read again), and returns the residual after the last layer: what the loops return
+before the final norm and the head.
 
 Knows a Llama layer's order of operations and the C's arguments; nothing of checkpoints, of the
 engine or the network.
@@ -29,13 +32,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .fma_blocks import BLOCK, BoundBlocks
+from .fma_blocks import BoundBlocks
 from .kv_cache import PagedKVCache
 from .llama import DecoderLayer, StageModel
 from .step_kernels import StepKernels
 
 ALIGN = 64  # bytes: each scratch buffer starts on a cache line
-WEIGHTS = 10  # a layer's tensors before its two pools in layers.c's pointers
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class _Layer:
     # In layers.c's order, without the pools: input norm, qkv and its bias, o and its bias, the
     # post-attention norm, gate_up and its bias, down and its bias. Held: the C reads them.
     tensors: tuple[torch.Tensor | None, ...]
+    products: tuple[tuple[int, int], ...]  # (out, in) of qkv, o, gate_up and down
 
 
 class LayerStack:
@@ -54,10 +57,8 @@ class LayerStack:
         self._layers, self._dtype, self._eps = tuple(layers), dtype, config.rms_norm_eps
         self._hidden, self._intermediate = config.hidden_size, shards.intermediate
         self._heads, self._kv_heads, self._head_dim = shards.num_heads, shards.num_kv_heads, config.head_dim
-        weights = [t.data_ptr() if t is not None else None for layer in self._layers for t in layer.tensors]
-        self._weights = weights  # the pools' two addresses a layer are added at each step
         h, kvh, d, w = self._heads, self._kv_heads, self._head_dim, self._intermediate
-        self._shape = (h, w, kvh, d)  # what a step's kernels must be bound for
+        self._bound_for = {"heads": h, "SiLU width": w, "KV heads": kvh, "head_dim": d}  # a step's kernels'
         # Scratch, in elements: [rows, hidden] x 4, [rows, (h + 2 kvh) d], [rows, h d] x 2, [rows, 2 w], [rows, w].
         self._widths = (self._hidden,) * 4 + ((h + 2 * kvh) * d, h * d, h * d, 2 * w, w)
 
@@ -79,35 +80,43 @@ class LayerStack:
         """Its products' shapes and its norms' the model's: what layers.c takes for granted."""
         h, kvh, d, w, hidden = self._heads, self._kv_heads, self._head_dim, self._intermediate, self._hidden
         shapes = ((h + 2 * kvh) * d, hidden), (hidden, h * d), (2 * w, hidden), (hidden, w)
-        weights = [layer.tensors[i] for i in (1, 3, 6, 8)]
-        products = tuple((t.shape[0] * BLOCK, t.shape[1]) for t in weights if t is not None)
         norms = [layer.tensors[i] for i in (0, 5)]
-        return products == shapes and all(n is not None and n.shape == (hidden,) and n.is_contiguous() for n in norms)
+        return layer.products == shapes and all(
+            n is not None and n.shape == (hidden,) and n.is_contiguous() for n in norms
+        )
 
     def __call__(self, x: torch.Tensor, kernels: StepKernels, cache: PagedKVCache) -> torch.Tensor:
-        """The residual after the last layer for the step's rows x [rows, hidden]: ValueError where
-        the step's kernels, the rows or a pool are not what the stack was made for."""
+        """The residual after the last layer for the step's rows x [rows, hidden]: ValueError,
+        naming what differs, where the step's kernels, the rows or a pool are not the stack's."""
         bound, rows = kernels.bound, kernels.rows
-        shape = (bound.heads, bound.silu_width, *bound.pool[1:])
-        if not kernels.norms or kernels.dtype != self._dtype or shape != self._shape:
-            raise ValueError("the step's kernels were bound for another model, dtype or without their norms")
+        if not kernels.norms or kernels.dtype != self._dtype:
+            raise ValueError(
+                f"the step's kernels: {kernels.dtype}, norms {kernels.norms}; the stack takes "
+                f"{self._dtype} with the kernels' norms"
+            )
+        theirs = dict(zip(self._bound_for, (bound.heads, bound.silu_width, *bound.pool[1:]), strict=True))
+        if theirs != self._bound_for:
+            raise ValueError(f"the step's kernels were bound for {theirs}, the stack's layers have {self._bound_for}")
         if x.shape != (rows, self._hidden) or x.dtype != self._dtype or not x.is_contiguous() or not x.is_cpu:
             raise ValueError(f"rows {list(x.shape)} {x.dtype}: the stack takes [{rows}, {self._hidden}] {self._dtype}")
         pointers: list[int | None] = []
-        for i, layer in enumerate(self._layers):
+        for layer in self._layers:
             pools = cache.k[layer.layer_id], cache.v[layer.layer_id]
             for pool in pools:
-                if pool.shape != bound.pool or pool.dtype != self._dtype or not pool.is_contiguous():
-                    raise ValueError(f"layer {layer.layer_id}'s pools are not the {list(bound.pool)} the step bound")
-            pointers += [*self._weights[i * WEIGHTS : (i + 1) * WEIGHTS], pools[0].data_ptr(), pools[1].data_ptr()]
+                if pool.shape != bound.pool or pool.dtype != self._dtype or not pool.is_contiguous() or not pool.is_cpu:
+                    raise ValueError(
+                        f"layer {layer.layer_id}'s pools are {list(pool.shape)} {pool.dtype} on {pool.device}, not "
+                        f"the contiguous {list(bound.pool)} {self._dtype} on the CPU the step bound"
+                    )
+            # The weights' addresses read at each call, as LaidOut reads them: a tensor's storage can be swapped.
+            pointers += [t.data_ptr() if t is not None else None for t in layer.tensors]
+            pointers += [pools[0].data_ptr(), pools[1].data_ptr()]
+        size = x.element_size()
         offsets, total = [], 0
-        for width in self._widths:
+        for width in self._widths:  # each buffer on a cache line of its own
             offsets.append(total)
-            total += -(-rows * width * x.element_size() // ALIGN) * ALIGN // x.element_size()
-        scratch = torch.empty(total, dtype=self._dtype)
-        out = torch.empty_like(x)
-        base = scratch.data_ptr()
-        buffers = (ctypes.c_void_p * len(offsets))(*(base + o * x.element_size() for o in offsets))
+            total += -(-rows * width * size // ALIGN) * ALIGN // size
+        scratch, out = torch.empty(total, dtype=self._dtype), torch.empty_like(x)
         dims = (ctypes.c_int64 * 8)(rows, self._hidden, self._heads, self._kv_heads, self._head_dim)
         dims[5:] = [self._intermediate, bound.width, bound.block]
         failed = bound.functions["blocks_layers"](
@@ -115,7 +124,7 @@ class LayerStack:
             (ctypes.c_void_p * len(pointers))(*pointers),
             dims,
             (ctypes.c_void_p * 5)(*bound.addresses),
-            buffers,
+            (ctypes.c_void_p * len(offsets))(*(scratch.data_ptr() + o * size for o in offsets)),
             self._dtype == torch.bfloat16,
             self._eps,
             self._head_dim**-0.5,
@@ -134,12 +143,14 @@ def _layer(layer: nn.Module) -> _Layer | None:
     assert isinstance(layer, DecoderLayer), layer
     attn, mlp = layer.self_attn, layer.mlp
     products: list[torch.Tensor | None] = []
+    shapes: list[tuple[int, int]] = []
     for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
         several = getattr(module, "several_rows", None)
         bound = several() if several is not None else None
         if not isinstance(bound, BoundBlocks):
             return None
-        weight, bias, _, _ = bound.parts
+        weight, bias, out, fan_in = bound.parts
         products += [weight, bias]
+        shapes.append((out, fan_in))
     norms = layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()
-    return _Layer(layer.layer_id, (norms[0], *products[:4], norms[1], *products[4:]))
+    return _Layer(layer.layer_id, (norms[0], *products[:4], norms[1], *products[4:]), tuple(shapes))

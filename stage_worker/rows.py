@@ -233,13 +233,13 @@ class RowPath:
         pool = cache.k[plan.layers[0].layer_id]  # a stage holds a layer or more (LayerRange.check)
         kernels = bind(layout, cos, sin, pool=pool, heads=h, silu_width=model.shards.intermediate)
         rotate = rotary(cos[0], sin[0]) if kernels is None else None
-        norm, silu_mul = row_norm, row_silu_mul
+        norm, silu_mul, compiled = row_norm, row_silu_mul, False
         if kernels is not None and kernels.norms and x.dtype == plan.norm_dtype:
-            norm, silu_mul = kernels.norm, kernels.silu
+            norm, silu_mul, compiled = kernels.norm, kernels.silu, True
         new = slots.stop - 1  # the new token's slot
         layers = plan.layers
-        if self.stack is not None and kernels is not None and norm is not row_norm:  # the same calls, in C
-            x, layers = self.stack(x.contiguous(), kernels, cache), ()  # (layer_stack.py)
+        if self.stack is not None and kernels is not None and compiled:  # the same math in C (layer_stack.py)
+            x, layers = self.stack(x.contiguous(), kernels, cache), ()
         # Slices and views rather than split, chunk and transposes: each call after a product runs
         # cold, and these are most of a layer's calls (a step in bfloat16 20.4-20.6 against
         # 21.0-21.4 ms, float32 25.0 against 26.0; one process, two threads, Intel Xeon with AMX).

@@ -19,7 +19,8 @@ first), the attention the decode batch's (`compiled_kernel` checks it against to
 Used by rows.py (a lone row: its attention, and its norms and SiLU where bound; SmolLM2's lone
 step, one process, 2 cores of an Intel Xeon with AVX-512 and AMX, 12 interleaved rounds of 4
 steps: float32 26.9 -> 25.4 ms, bfloat16 20.9 -> 18.8 ms against torch's rotary, writes and SDPA)
-and decode_path.py (a decode batch).
+and decode_path.py (a decode batch); layer_stack.py hands what a step binds (`bound`) to the C
+that runs a stage's layers in one call.
 
 Knows the kernels' arguments (native.py declares their C types) and the pools' layout ([slots,
 kv heads, head_dim]); nothing of models, weights, the engine or the network.

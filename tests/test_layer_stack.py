@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from layerline.shared.model_config import LayerRange
-from layerline.stage_worker import fma_blocks, layer_stack, tiles
+from layerline.stage_worker import decode_path, fma_blocks, layer_stack, tiles
 from layerline.stage_worker.weights import load_stage
 
 from .pipeline import cache_for
@@ -117,13 +117,21 @@ def test_it_refuses_rows_and_pools_it_was_not_bound_for(tmp_path, monkeypatch, d
         return real(self, x, kernels, cache)
 
     monkeypatch.setattr(layer_stack.LayerStack, "__call__", kept)
-    _run(_stages(tmp_path, [LayerRange(0, 4)], dtype, stack=True), PROMPTS[:3], steps=1)
+    (stage,) = _stages(tmp_path, [LayerRange(0, 4)], dtype, stack=True)
+    _run([stage], PROMPTS[:3], steps=1)
     stack, x, kernels, cache = seen[0]  # a decode step of 3 rows
-    assert torch.equal(real(stack, x, kernels, cache), real(stack, x, kernels, cache))  # as it was: it runs
+    loop = decode_path._layers(x, stage.decode_path.layers, kernels, cache, stage.config.rms_norm_eps)
+    assert torch.equal(real(stack, x, kernels, cache), loop)  # the same step again, either way
     with pytest.raises(ValueError, match=r"the stack takes \[3, 96\]"):
         real(stack, x[:2].contiguous(), kernels, cache)
     with pytest.raises(ValueError, match="the stack takes"):
         real(stack, x.to(torch.float16), kernels, cache)
     other = cache_for(load_stage(tmp_path, LayerRange(0, 4), dtype=dtype), num_blocks=8)
-    with pytest.raises(ValueError, match="layer 0's pools are not the"):
+    with pytest.raises(ValueError, match=r"layer 0's pools are \[64, 2, 16\] .* not the contiguous \[768, 2, 16\]"):
         real(stack, x, kernels, other)
+    wider = tmp_path / "wider"  # SiLU halves of 160: the step's kernels were bound for 128
+    make_tiny_checkpoint("smollm2", wider, vocab_size=256, hidden_size=96, intermediate_size=160)
+    stack_of_wider = layer_stack.LayerStack.of(load_stage(wider, LayerRange(0, 4), dtype=dtype))
+    assert stack_of_wider is not None
+    with pytest.raises(ValueError, match=r"bound for \{'heads': 6, 'SiLU width': 128, .*'SiLU width': 160"):
+        real(stack_of_wider, x, kernels, cache)

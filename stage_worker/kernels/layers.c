@@ -1,14 +1,16 @@
 /* A decode step's decoder layers in one call, where each of their products is blocks.c's: the
- * calls decode_path.py and rows.py make from Python, one layer after another, made here instead.
+ * calls decode_path.py makes from Python, one layer after another, made here instead.
  *
- * Between two of a layer's eleven kernel calls the step's Python checked its tensors, made the
- * next output and read its addresses: SmolLM2's lone bfloat16 row spent 2.4 ms of a 15 ms step
- * there, a 32-row float32 step 4 ms of 65 (one process, 2 cores of an Intel Xeon without AMX).
- * Here the same functions run on the same arguments in the same order, so every number is the one
- * the Python made, to the bit: RMSNorm of the input; per layer the qkv product, the rotary with
- * the keys and values stored, the attention, the o product, the residual's sum and the norm after
- * it, gate_up, SiLU of the gate times the up, down, and again the residual's sum and the next
- * layer's norm (after the last layer the sum alone: its norm is computed into scratch and unused).
+ * Between two of a layer's nine kernel calls the step's Python checked its tensors, made the next
+ * output and read its addresses: SmolLM2's lone bfloat16 row spent 2.4 ms of a 15 ms step there,
+ * a 32-row float32 step 4 ms of 65 (one process, 2 cores of an Intel Xeon without AMX). Here the
+ * same functions run on the same arguments in the same order, so every number is the one the
+ * Python made, to the bit: RMSNorm of the input; per layer the qkv product, the rotary with the
+ * keys and values stored, the attention, the o product, the residual's sum and the norm after it,
+ * gate_up, SiLU of the gate times the up, down, and again the residual's sum and the next layer's
+ * norm (after the last layer the sum alone: its norm is computed into scratch and unused). A lone
+ * row's loop (rows.py) adds with torch and normalizes apart: the sum-and-norm call gives torch's
+ * numbers to the bit (fused.py checks that before the kernels serve).
  *
  * The caller (layer_stack.py) checks every shape, dtype and address: `per_layer` holds LAYER
  * pointers a layer, in the order of the enum; the buffers are contiguous and of the step's dtype.
