@@ -16,7 +16,7 @@ from typing import Any
 
 from layerline.model_store import cache_root
 
-PROFILE_VERSION = 6  # 6: float32 and bfloat16 stages keep 1 copy where fma_blocks serves (weight_copies)
+PROFILE_VERSION = 7  # 7: a step's layers in one call where fma_blocks serves (layer_stack.py)
 MATMUL_ROWS = (1, 4, 8, 16, 64, 256)  # the row counts measured: decode steps up to prompt chunks
 # The hidden sizes whose layers the matmul rates are measured on: the embedded model's, and a wide
 # model's whose steps are nearly all streaming weights. A model between them is read in between.
