@@ -29,6 +29,7 @@ Knows the model's module names and math, nothing of checkpoints, of the engine o
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,6 +41,8 @@ from .layer_stack import LayerStack
 from .llama import DecoderLayer, StageModel
 from .step_kernels import StepKernels, bind
 from .tiles import is_packed
+
+log = logging.getLogger(__name__)
 
 # x -> x W^T + b by a packed weight (oneDNN's, the tiles' or fma_blocks') and its bias, as
 # `PackedLinear.forward` computes it (`several_rows`), its checks made once.
@@ -66,6 +69,8 @@ class DecodePath:
         self.model = model
         self.layers = _plan(model)
         self.stack = LayerStack.of(model) if self.layers else None  # the FMA blocks': the layers in one call
+        if self.stack is not None:
+            log.info("a decode step's %d layers: one call of the compiled kernels (layer_stack.py)", len(model.layers))
 
     def __call__(
         self,
