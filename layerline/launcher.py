@@ -32,7 +32,7 @@ from layerline.model_store import cache_root
 from layerline.shared.certs import CertFiles, write_cluster_certs
 from layerline.shared.cpu import cpu_name
 from layerline.shared.model_config import ModelConfig
-from layerline.shared.ports import free_port
+from layerline.shared.ports import free_port, reserve
 from layerline.shared.settings import format_size
 from layerline.stage_worker.settings import StageSettings
 from layerline.supervisor import Command, RestartPolicy, Supervisor
@@ -154,6 +154,8 @@ class LocalCluster:
         self.plan = plan
         self.checkpoint = checkpoint
         self.address = f"{plan.host}:{plan.port}"
+        # The ports the user gave are not free for the ports chosen below: their processes bind later.
+        reserve(plan.port, plan.http_port or 0, plan.cluster_port or 0)
         # The OpenAI-compatible API's port (0: a free one) and base URL, with --http-port.
         self.http_port = None if plan.http_port is None else plan.http_port or _free_port(plan.host)
         scheme = "https" if plan.tls else "http"
@@ -187,6 +189,8 @@ class LocalCluster:
                 f"--metrics-port {plan.metrics_port}: the {workers} stage workers need the ports "
                 f"up to {plan.metrics_port + workers}, past 65535"
             )
+        if plan.metrics_port:  # the coordinator's and then each stage worker's
+            reserve(*range(plan.metrics_port, plan.metrics_port + workers + 1))
         self.supervisor = Supervisor(plan.restarts)
         self.metrics_ports: dict[str, int] = {}  # process name -> its Prometheus port, when metrics are on
         self.health_ports: dict[str, int] = {}  # process name -> its plaintext health port, with health_ports

@@ -7,7 +7,10 @@ server then fails with "address already in use" (seen in the test suite). So por
 random below that range, where only a listener can be, and checked by binding them. A port this
 process handed out is not handed out again (among its last `REMEMBERED`): a launcher chooses every
 port of a cluster before any process binds one, and two random choices can meet (a coordinator's
-health port and a stage's port did, failing a CI run).
+health port and a stage's port did, failing a CI run). Nor is a port `reserve`d: one a user gave
+for a process not yet listening (`up --port P` started a coordinator on a port chosen by its
+caller, and a stage was then handed the same port before the coordinator bound it: "address
+already in use", failing a CI run).
 
 Knows nothing of what listens on them.
 """
@@ -34,6 +37,12 @@ def ephemeral_range() -> tuple[int, int]:
     except (OSError, ValueError):
         return 32768, 60999
     return low, high
+
+
+def reserve(*ports: int) -> None:
+    """Mark `ports` as taken by a process that will listen on them: `free_port` does not hand
+    them out (0, the kernel's choice, is ignored)."""
+    _handed_out.extend(port for port in ports if port)
 
 
 def free_port(host: str = "127.0.0.1", *, count: int = 1) -> int:

@@ -42,3 +42,45 @@ def test_a_port_is_not_handed_out_twice_before_anything_binds_it():
     runs = [ports.free_port("127.0.0.1", count=3) for _ in range(100)]
     covered = [port for base in runs for port in range(base, base + 3)]
     assert len(set(covered) | set(chosen)) == 1000 + 300
+
+
+def test_a_reserved_port_is_not_handed_out(monkeypatch):
+    """A port reserved for a process that has not bound it yet, with the choice rigged to it first."""
+    reserved = 62001
+    choices = iter([reserved, reserved + 1])
+    monkeypatch.setattr(ports.random.SystemRandom, "randint", lambda self, a, b: next(choices))
+    ports.reserve(reserved, 0)
+    assert ports.free_port("127.0.0.1") == reserved + 1
+
+
+def test_up_does_not_hand_its_coordinators_port_to_another_process(monkeypatch, real_model_dir, tmp_path):
+    """`up --port P` starts its coordinator on P before its stages; the ports it chooses for them
+    (and for the cluster port and health ports) are never P, nor the metrics ports it gives, even
+    with every choice rigged to propose P first. Before `reserve`, a stage was handed P and failed
+    with "address already in use" once the coordinator bound it (a CI run)."""
+    from layerline.launcher import ClusterPlan, LocalCluster
+
+    port, metrics = 62101, 62201
+    proposals = iter([port, metrics, metrics + 3, *range(63000, 63100)])
+    monkeypatch.setattr(ports.random.SystemRandom, "randint", lambda self, a, b: next(proposals))
+    monkeypatch.setattr(ports, "ephemeral_range", lambda: (32768, 60999))
+    plan = ClusterPlan(
+        model=str(real_model_dir),
+        port=port,
+        stages=2,
+        replicas=2,
+        layer_ranges=((0, 15), (15, 30)),
+        metrics_port=metrics,
+        health_ports=True,
+        log_dir=tmp_path,
+    )
+    cluster = LocalCluster(plan, real_model_dir)
+    spawned: dict[str, list[str]] = {}
+    monkeypatch.setattr(cluster, "_spawn", lambda name, args, env: spawned.setdefault(name, args))
+    cluster.start()
+    chosen = [int(cluster.cluster_address.rpartition(":")[2]), *cluster.health_ports.values()]
+    chosen += [int(args[args.index("--port") + 1]) for name, args in spawned.items() if name != "coordinator"]
+    assert len(spawned) == 5 and len(chosen) == 1 + 5 + 4
+    assert len(set(chosen)) == len(chosen)
+    assert not set(chosen) & {port, *range(metrics, metrics + 5)}
+    assert all(63000 <= p < 63100 for p in chosen)
