@@ -82,8 +82,43 @@ static inline uint16_t narrow(float f) {
     return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
 }
 
-/* q . k over d. */
+/* Sixteen floats as one vector (GNU C's vector extension: one AVX-512 register, two AVX ones, four
+ * SSE ones), moved from and to any alignment by memcpy, which the compiler makes plain loads. */
+typedef float lanes16 __attribute__((vector_size(64)));
+typedef float lanes8 __attribute__((vector_size(32)));
+typedef float lanes4 __attribute__((vector_size(16)));
+
+static inline lanes16 load16(const float *p) {
+    lanes16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* The sum of a vector's sixteen lanes, pairwise: its halves added, their halves, then the four.
+ * An `omp simd` reduction leaves this to the compiler, and gcc 12 added the lanes one by one, a
+ * chain of sixteen dependent adds after every dot product: 32 sequences of 75 positions through
+ * SmolLM2's 30 layers took 8.4 ms that way and 7.5 ms this way with the pools out of the caches
+ * (5.5 and 4.2 in them), on 2 cores of an Intel Xeon (family 6 model 207). */
+static inline float lane_sum(lanes16 v) {
+    lanes8 lo, hi;
+    memcpy(&lo, &v, sizeof lo);
+    memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
+    lo += hi;
+    lanes4 a, b;
+    memcpy(&a, &lo, sizeof a);
+    memcpy(&b, (const char *)&lo + sizeof a, sizeof b);
+    a += b;
+    return (a[0] + a[2]) + (a[1] + a[3]);
+}
+
+/* q . k over d: for d a multiple of 16, a running sum per lane, the lanes added pairwise at the end;
+ * otherwise lane by lane. */
 static inline float dot(const float *restrict q, const float *restrict k, int64_t d) {
+    if (d % 16 == 0) {
+        lanes16 acc = load16(q) * load16(k);
+        for (int64_t i = 16; i < d; i += 16) acc += load16(q + i) * load16(k + i);
+        return lane_sum(acc);
+    }
     float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
     for (int64_t i = 0; i < d; ++i) acc += q[i] * k[i];
