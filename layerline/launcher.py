@@ -154,12 +154,9 @@ class LocalCluster:
         self.plan = plan
         self.checkpoint = checkpoint
         self.address = f"{plan.host}:{plan.port}"
-        # The ports the user gave are not free for the ports chosen below: their processes bind later.
+        # The ports the user gave (here and the metrics ports below) are not free for the ports
+        # chosen after them: their processes bind later.
         reserve(plan.port, plan.http_port or 0, plan.cluster_port or 0)
-        # The OpenAI-compatible API's port (0: a free one) and base URL, with --http-port.
-        self.http_port = None if plan.http_port is None else plan.http_port or _free_port(plan.host)
-        scheme = "https" if plan.tls else "http"
-        self.http_url = f"{scheme}://{plan.host}:{self.http_port}/v1" if self.http_port is not None else None
         config = ModelConfig.from_checkpoint(checkpoint)
         if plan.split not in SPLITS:
             raise ValueError(f"split {plan.split!r} is not one of {', '.join(SPLITS)}")
@@ -191,6 +188,10 @@ class LocalCluster:
             )
         if plan.metrics_port:  # the coordinator's and then each stage worker's
             reserve(*range(plan.metrics_port, plan.metrics_port + workers + 1))
+        # The OpenAI-compatible API's port (0: a free one) and base URL, with --http-port.
+        self.http_port = None if plan.http_port is None else plan.http_port or _free_port(plan.host)
+        scheme = "https" if plan.tls else "http"
+        self.http_url = f"{scheme}://{plan.host}:{self.http_port}/v1" if self.http_port is not None else None
         self.supervisor = Supervisor(plan.restarts)
         self.metrics_ports: dict[str, int] = {}  # process name -> its Prometheus port, when metrics are on
         self.health_ports: dict[str, int] = {}  # process name -> its plaintext health port, with health_ports

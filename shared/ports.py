@@ -7,8 +7,9 @@ server then fails with "address already in use" (seen in the test suite). So por
 random below that range, where only a listener can be, and checked by binding them. A port this
 process handed out is not handed out again (among its last `REMEMBERED`): a launcher chooses every
 port of a cluster before any process binds one, and two random choices can meet (a coordinator's
-health port and a stage's port did, failing a CI run). Nor is a port `reserve`d: one a user gave
-for a process not yet listening (`up --port P` started a coordinator on a port chosen by its
+health port and a stage's port did, failing a CI run). Nor is a port `reserve`d (it is remembered
+the same way, long enough for its process to bind it): one a user gave for a process not yet
+listening (`up --port P` started a coordinator on a port chosen by its
 caller, and a stage was then handed the same port before the coordinator bound it: "address
 already in use", failing a CI run).
 
@@ -25,7 +26,7 @@ from pathlib import Path
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LOWEST = 10000  # below this, ports that other services are known to listen on
 TRIES = 200
-REMEMBERED = 4096  # ports this process handed out that it does not hand out again
+REMEMBERED = 4096  # ports this process handed out or reserved that it does not hand out again
 
 _handed_out: deque[int] = deque(maxlen=REMEMBERED)
 

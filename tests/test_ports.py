@@ -62,33 +62,40 @@ def test_a_reserved_port_is_not_handed_out(monkeypatch):
     assert ports.free_port("127.0.0.1") == other
 
 
-def test_up_does_not_hand_its_coordinators_port_to_another_process(monkeypatch, real_model_dir, tmp_path):
-    """`up --port P` starts its coordinator on P before its stages; the ports it chooses for them
-    (and for the cluster port and health ports) are never P, nor the metrics ports it gives, even
-    with every choice rigged to propose P first. Before `reserve`, a stage was handed P and failed
-    with "address already in use" once the coordinator bound it (a CI run)."""
+def test_up_does_not_hand_its_coordinators_port_to_another_process(monkeypatch, tmp_path):
+    """`up --port P` starts its coordinator on P before its stages. The ports it chooses (the
+    cluster port, the HTTP API's, each stage's, each health port) are never P nor a metrics port it
+    gives, with the first choice rigged to propose P, then a metrics port. Before `reserve`, a stage
+    was handed P and failed with "address already in use" once the coordinator bound it (a CI run)."""
     from layerline.launcher import ClusterPlan, LocalCluster
 
-    port, metrics, *rest = _fresh(monkeypatch, 2 + 20)
+    from .tiny_models import make_tiny_checkpoint
+
+    model = tmp_path / "model"
+    make_tiny_checkpoint("smollm2", model)
+    metrics = ports.free_port("127.0.0.1", count=5)  # the coordinator's and the 4 stages'
+    port, *rest = _fresh(monkeypatch, 1 + 20)
     proposals = iter([port, metrics, metrics + 3, *rest])
     monkeypatch.setattr(ports.random.SystemRandom, "randint", lambda self, a, b: next(proposals))
     plan = ClusterPlan(
-        model=str(real_model_dir),
+        model=str(model),
         port=port,
         stages=2,
         replicas=2,
-        layer_ranges=((0, 15), (15, 30)),
+        layer_ranges=((0, 2), (2, 4)),
         metrics_port=metrics,
         health_ports=True,
-        log_dir=tmp_path,
+        http_port=0,
+        log_dir=tmp_path / "run",
     )
-    cluster = LocalCluster(plan, real_model_dir)
+    cluster = LocalCluster(plan, model)
     spawned: dict[str, list[str]] = {}
     monkeypatch.setattr(cluster, "_spawn", lambda name, args, env: spawned.setdefault(name, args))
     cluster.start()
-    chosen = [int(cluster.cluster_address.rpartition(":")[2]), *cluster.health_ports.values()]
+    assert cluster.http_port is not None
+    chosen = [cluster.http_port, int(cluster.cluster_address.rpartition(":")[2]), *cluster.health_ports.values()]
     chosen += [int(args[args.index("--port") + 1]) for name, args in spawned.items() if name != "coordinator"]
-    assert len(spawned) == 5 and len(chosen) == 1 + 5 + 4
+    assert len(spawned) == 5 and len(chosen) == 2 + 5 + 4
     assert len(set(chosen)) == len(chosen)
     assert not set(chosen) & {port, *range(metrics, metrics + 5)}
     assert set(chosen) <= set(rest)

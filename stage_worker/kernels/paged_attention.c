@@ -83,7 +83,7 @@ static inline uint16_t narrow(float f) {
 }
 
 /* Sixteen floats as one vector (GNU C's vector extension: one AVX-512 register, two AVX ones, four
- * SSE ones), moved from and to any alignment by memcpy, which the compiler makes plain loads. */
+ * SSE or NEON ones), loaded from any alignment by memcpy, which the compiler makes plain loads. */
 typedef float lanes16 __attribute__((vector_size(64)));
 typedef float lanes8 __attribute__((vector_size(32)));
 typedef float lanes4 __attribute__((vector_size(16)));
@@ -111,10 +111,10 @@ static inline float lane_sum(lanes16 v) {
     return (a[0] + a[2]) + (a[1] + a[3]);
 }
 
-/* q . k over d: for d a multiple of 16, a running sum per lane, the lanes added pairwise at the end;
- * otherwise lane by lane. */
+/* q . k over d: for d a (nonzero) multiple of 16, a running sum per lane, the lanes added pairwise
+ * at the end; otherwise lane by lane. */
 static inline float dot(const float *restrict q, const float *restrict k, int64_t d) {
-    if (d % 16 == 0) {
+    if (d >= 16 && d % 16 == 0) {
         lanes16 acc = load16(q) * load16(k);
         for (int64_t i = 16; i < d; i += 16) acc += load16(q + i) * load16(k + i);
         return lane_sum(acc);
