@@ -7,11 +7,9 @@ server then fails with "address already in use" (seen in the test suite). So por
 random below that range, where only a listener can be, and checked by binding them. A port this
 process handed out is not handed out again (among its last `REMEMBERED`): a launcher chooses every
 port of a cluster before any process binds one, and two random choices can meet (a coordinator's
-health port and a stage's port did, failing a CI run). Nor is a port `reserve`d (it is remembered
-the same way, long enough for its process to bind it): one a user gave for a process not yet
-listening (`up --port P` started a coordinator on a port chosen by its
-caller, and a stage was then handed the same port before the coordinator bound it: "address
-already in use", failing a CI run).
+health port and a stage's port did, failing a CI run). Nor is a port `reserve`d, remembered the
+same way until its process binds it: one a user gave (`up --port P` starts its coordinator on P,
+and a stage was once handed P before the coordinator had bound it, failing a CI run).
 
 Knows nothing of what listens on them.
 """
