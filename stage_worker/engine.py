@@ -1,14 +1,13 @@
 """One stage's step execution: validate a micro-batch, run the layers, sample on the last stage.
 
 Owns the `StageModel`, its `PagedKVCache`, when a step last touched each sequence it holds
-(monotonic seconds: the sequences a step names and those it copies a prefix from, whether or
-not they ran) and the rules a step must satisfy. A step is checked
-sequence by sequence: a sequence that breaks a rule (positions that skip, or repeat without
-`rewind`, token ids outside the vocabulary, an unknown sequence, a cache that cannot hold it) is
-dropped from the step with a typed error while the others run. A sequence may end with drafted
-tokens: the last stage verifies them (`speculation`) and drops the KV of those it rejects; the
-other stages drop it when the next step rewinds. Works on plain dataclasses and tensors; the
-servicer turns wire frames into these and back.
+(monotonic seconds: the sequences a step names and those it copies a prefix from, whether or not
+they ran) and the rules a step must satisfy. A step is checked sequence by sequence: a sequence
+that breaks a rule (positions that skip, or repeat without `rewind`, token ids outside the
+vocabulary, an unknown sequence, a cache that cannot hold it) is dropped from the step with a
+typed error while the others run. A sequence may end with drafted tokens: the last stage verifies
+them (`speculation`) and drops the KV of those it rejects; the other stages drop it when the next
+step rewinds. Works on plain dataclasses and tensors; the servicer turns wire frames into these and back.
 
 Knows nothing of gRPC, of the next hop or of which requests the sequences belong to.
 """
@@ -30,7 +29,7 @@ from .kv_cache import KVCacheExhausted, PagedKVCache
 from .llama import StageModel
 from .native import POOL_DTYPES
 from .paged_attention import compiled_kernel, rotary_kernel
-from .sampler import Draw, sample
+from .sampler import Draw, reads_argmax, sample
 from .speculation import logit_rows, verify
 
 
@@ -229,7 +228,8 @@ class StageEngine:
             return out
         drafts = [s.draft for s in out.kept]
         wanted = logit_rows(layout.seq_lens, drafts) if any(drafts) else layout.last_rows()
-        logits = self.model(inputs, cache=self.cache, layout=layout, logit_rows=wanted)
+        greedy = self.samples and not any(drafts) and all(reads_argmax(s.sampling) for s in out.kept)
+        logits = self.model(inputs, cache=self.cache, layout=layout, logit_rows=wanted, argmax_only=greedy)
         if self.samples:
             self._sample(out, logits)
         return out

@@ -57,6 +57,7 @@ class RowPath(Protocol):
         cache: PagedKVCache,
         layout: StepLayout,
         threads: int,
+        argmax_only: bool,
     ) -> torch.Tensor | None: ...
 
 
@@ -365,17 +366,20 @@ class StageModel(nn.Module):
         cache: PagedKVCache,
         layout: StepLayout,
         logit_rows: torch.Tensor | None = None,
+        argmax_only: bool = False,
     ) -> torch.Tensor:
         """Run one packed micro-batch through this stage.
 
         `inputs` is [T] token ids on the first stage, else [T, hidden] hidden states.
         Returns [T, hidden] hidden states, or on the last stage [R, vocab] float32 logits for
-        `logit_rows` (every row when None).
+        `logit_rows` (every row when None). `argmax_only`: the caller reads only each row's argmax
+        (`sampler.greedy`), and a path may return rows that keep only that (rows.py, head_screen.py).
         """
         x = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs  # [T, hidden]
         cos, sin = self.rope(layout.positions, x.dtype)
         if self.row_path is not None and layout.decode_slots is not None and x.shape[0] == 1:
-            out = self.row_path(x, cos, sin, cache=cache, layout=layout, threads=self.step_threads.count)
+            threads = self.step_threads.count
+            out = self.row_path(x, cos, sin, cache=cache, layout=layout, threads=threads, argmax_only=argmax_only)
             if out is not None:
                 return out
         if self.decode_path is not None and layout.decode_only and x.shape[0] > 1:

@@ -3,15 +3,15 @@
 One library: a decode batch's attention off the paged pools (`PagedAttentionKernel` called), its
 rotary with the new keys and values written to the pools (`rotate_and_store`), RMSNorm (`rms_norm`)
 and the MLP's SiLU of the gate times the up (`silu_mul`), of kernels/paged_attention.c; bfloat16
-products on AMX tiles (tiles.c, tiles.py); float32 and bfloat16 on FMAs (blocks.c), a step's layers
-on them in one call (layers.c, layer_stack.py); a few rows' (rows.c, int4.c: row_kernel.py, int4_rows.py).
+products on AMX tiles (tiles.c, tiles.py); float32 and bfloat16 on FMAs (blocks.c, and the LM head's
+screened argmax: head_screen.py), a step's layers on them in one call (layers.c, layer_stack.py); a few
+rows' (rows.c, int4.c: row_kernel.py, int4_rows.py).
 
-Owns finding a C compiler ($CC, else `cc`, else `gcc`), compiling the SOURCES for
-the CPU it runs on (`-O3 -march=native -fopenmp`; without `-march=native` where the compiler
-refuses it) into the cache ($LAYERLINE_HOME/kernels, which must be this user's and writable by
-nobody else; each build named by a hash of the source, the flags, the compiler's version and the
-CPU, so a cache shared by unlike machines never hands one another's code), loading it, and calling
-it with arguments it checked: the C trusts every shape and index it is given.
+Owns finding a C compiler ($CC, else `cc`, else `gcc`), compiling the SOURCES for the CPU it runs
+on (`-O3 -march=native -fopenmp`, without `-march=native` where refused) into the cache
+($LAYERLINE_HOME/kernels, this user's and writable by nobody else; each build named by a hash of the
+source, the flags, the compiler's version and the CPU, so unlike machines sharing a cache never hand
+one another's code), loading it, and calling it with checked arguments: the C trusts every shape and index.
 
 The library is loaded after torch, so its `libgomp.so.1` is the copy torch loaded where torch's
 wheel ships it under that name (the CPU wheels do): its parallel loops run on the OpenMP team torch's
@@ -72,6 +72,7 @@ SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "blocks": ([], _INT),
     "blocks_f32_linear": ([_P, _P, _P, _I, _I, _I, _INT, _P], _INT),
     "blocks_bf16_linear": ([_P, _P, _P, _I, _I, _I, _INT, _P], _INT),
+    "blocks_screened_argmax": ([_P, _P, _P, _P, _I, _I, _INT, _P], _I),
     "blocks_layers": ([_I, _P, _P, _P, _P, _INT, _FLOAT, _FLOAT, _INT, _INT, _P, _P], _INT),
     "rows_i8_vectorized": ([], _INT),
     "rows_i8": ([_P, _P, _P, _P, _P, _I, _I, _I, _INT, _P], None),
@@ -98,8 +99,7 @@ def decode_batch(tables: torch.Tensor, lens: torch.Tensor, *, block: int, slots:
     """`tables` and `lens` as the kernel may read them: ValueError if any would reach past the pools."""
     if tables.dim() != 2 or lens.shape != (tables.shape[0],):
         raise ValueError(f"block tables {tuple(tables.shape)} and lengths {tuple(lens.shape)} do not match")
-    tables = tables.to("cpu", torch.int64).contiguous()
-    lens = lens.to("cpu", torch.int64).contiguous()
+    tables, lens = tables.to("cpu", torch.int64).contiguous(), lens.to("cpu", torch.int64).contiguous()
     n, width = tables.shape
     if n and (int(lens.min()) < 1 or int(lens.max()) > width * block):
         raise ValueError(f"decode lengths must lie in 1..{width * block} (block tables of {width} blocks of {block})")

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from .fused import norm_kernel, silu_kernel
+from .head_screen import HeadScreen
 from .kv_cache import PagedKVCache, StepLayout
 from .layer_stack import LayerStack
 from .llama import DecoderLayer, StageModel, decode_attention, rms_norm
@@ -186,6 +187,7 @@ class RowPath:
         self.model = model
         self._plans: dict[int, _RowPlan | None] = {}
         self.stack = LayerStack.of(model)  # where the FMA blocks serve every product: the layers in one call
+        self.screen = HeadScreen.of(model.lm_head, model.config.vocab_size)  # a greedy step's head (head_screen.py)
 
     def plan(self, threads: int) -> _RowPlan | None:
         """The layers' and the head's row weights on `threads` threads; None unless every linear
@@ -216,10 +218,12 @@ class RowPath:
         cache: PagedKVCache,
         layout: StepLayout,
         threads: int,
+        argmax_only: bool = False,
     ) -> torch.Tensor | None:
         """The layers (and head) for one token whose context is the cache slots `layout.decode_slots`,
         the new token's last. x [1, hidden]; cos, sin [1, 1, head_dim]. Returns what
-        `StageModel.forward` returns, or None where this path cannot serve (no plan)."""
+        `StageModel.forward` returns (with `argmax_only`, through the head's screen where it serves),
+        or None where this path cannot serve (no plan)."""
         plan = self.plan(threads)
         slots = layout.decode_slots
         if plan is None or slots is None:
@@ -261,7 +265,10 @@ class RowPath:
         if plan.head is None:
             return x
         assert plan.norm is not None  # the last stage holds both
-        logits = plan.head.product(row_norm(x, plan.norm, eps))  # [1, vocab padded]
+        x = row_norm(x, plan.norm, eps)
+        if argmax_only and self.screen is not None and (screened := self.screen(x)) is not None:
+            return screened
+        logits = plan.head.product(x)  # [1, vocab padded]
         return logits[:, : model.config.vocab_size].float()
 
 

@@ -73,6 +73,13 @@ def sample(
     return draws
 
 
+def reads_argmax(p: SamplingParams | None) -> bool:
+    """Whether `sample` reads nothing of a row drawn with `p` but its argmax (greedy, no repetition
+    penalty, no log-probabilities): the model may then return rows that keep only that
+    (`StageModel.forward`'s `argmax_only`)."""
+    return p is None or (p.temperature == 0.0 and p.repetition_penalty == 1.0 and p.logprobs is None)
+
+
 def greedy(logits: torch.Tensor) -> list[int]:
     """Each row's token of highest logit [B, vocab] -> B ids: `torch.argmax`'s answer (the first
     of equal maxima, a NaN where one is).

@@ -27,6 +27,7 @@
  * The caller checks every shape and address: out a multiple of 32, W [out / 32, in, 32], bias [out]
  * or NULL, X and Y contiguous, not overlapping.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <omp.h>
@@ -194,6 +195,65 @@ int layerline_blocks_bf16_linear(const uint16_t *restrict x, const uint16_t *res
     }
     return 0;
 }
+/* A bfloat16 as float32, and a float32 rounded to bfloat16 (to nearest even, as `narrow16`) and back. */
+static inline float bf16_float(uint16_t h) {
+    const union { uint32_t u; float f; } v = {.u = (uint32_t)h << 16};
+    return v.f;
+}
+static inline float bf16_rounded(float f) {
+    const union { float f; uint32_t u; } v = {.f = f};
+    const union { uint32_t u; float f; } r = {.u = (v.u + 0x7fffu + ((v.u >> 16) & 1u)) & 0xffff0000u};
+    return r.f;
+}
+
+/* Greedy decoding's LM head through a screen (head_screen.py): for one row x (float32, or bfloat16
+ * where `bf16`, each output then rounded to it as `linear` rounds it) and W in this file's layout
+ * without a bias, the first index below `valid` of the largest output y_j = x . w_j, given `screen`
+ * [valid] (x times an int8 copy of W) and `bound` [valid], such that |y_j - screen_j| <= ||x||
+ * bound_j before bfloat16's rounding: only the outputs whose upper bound reaches the largest lower
+ * bound can be the largest, and only they are computed, as `tile` computes them (one float32 sum
+ * over the inputs in order), so to the bit the whole product's. The winner's value goes to *best.
+ * -1 where x or the screen is not finite, or no buffer for x could be had: then the caller takes
+ * the whole product. */
+int64_t layerline_blocks_screened_argmax(const void *x, const void *w, const float *screen, const float *bound,
+                                         int64_t valid, int64_t in, int bf16, float *best) {
+    float *xs = malloc((size_t)in * sizeof(float));
+    if (!xs) return -1;
+    double norm = 0.0;
+    for (int64_t k = 0; k < in; ++k) {
+        xs[k] = bf16 ? bf16_float(((const uint16_t *)x)[k]) : ((const float *)x)[k];
+        norm += (double)xs[k] * xs[k];
+    }
+    norm = sqrt(norm);
+    const double rounding = bf16 ? 1.0 / 256 : 0.0; /* bfloat16's unit roundoff: |round(y) - y| <= it |y| */
+    int finite = isfinite(norm);
+    double floor = -INFINITY; /* the largest lower bound of an output */
+    for (int64_t j = 0; j < valid && finite; ++j) {
+        const double s = screen[j], e = norm * bound[j], low = s - e - rounding * (fabs(s) + e);
+        finite = isfinite(s);
+        if (low > floor) floor = low;
+    }
+    int64_t chosen = -1;
+    float top = -INFINITY;
+    for (int64_t j = 0; j < valid && finite; ++j) {
+        const double s = screen[j], e = norm * bound[j];
+        if (s + e + rounding * (fabs(s) + e) < floor) continue;
+        float y = 0.0f;
+        if (bf16) { /* element (b, k, i, h) is output 32b + 16h + i's weight of input k */
+            const uint16_t *wj = (const uint16_t *)w + j / 32 * in * 32 + j % 16 * 2 + j % 32 / 16;
+            for (int64_t k = 0; k < in; ++k) y = fmaf(xs[k], bf16_float(wj[k * 32]), y);
+            y = bf16_rounded(y);
+        } else { /* element (b, k, h, i) is output 32b + 16h + i's weight of input k */
+            const float *wj = (const float *)w + j / 32 * in * 32 + j % 32;
+            for (int64_t k = 0; k < in; ++k) y = fmaf(xs[k], wj[k * 32], y);
+        }
+        if (chosen < 0 || y > top) chosen = j, top = y;
+    }
+    free(xs);
+    if (!finite) return -1;
+    *best = top;
+    return chosen;
+}
 #else
 int layerline_blocks(void) { return 0; }
 
@@ -206,6 +266,12 @@ int layerline_blocks_f32_linear(const float *x, const float *w, const float *bia
 int layerline_blocks_bf16_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, int64_t rows,
                                  int64_t out, int64_t in, int threads, uint16_t *y) {
     (void)x, (void)w, (void)bias, (void)rows, (void)out, (void)in, (void)threads, (void)y; /* never called */
+    return -2;
+}
+
+int64_t layerline_blocks_screened_argmax(const void *x, const void *w, const float *screen, const float *bound,
+                                         int64_t valid, int64_t in, int bf16, float *best) {
+    (void)x, (void)w, (void)screen, (void)bound, (void)valid, (void)in, (void)bf16, (void)best; /* never called */
     return -2;
 }
 #endif
