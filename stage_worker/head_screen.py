@@ -18,9 +18,11 @@ bounds widen by that rounding. Over 257 greedy steps of 8 prompts on SmolLM2 in 
 outputs were left at the median, 54 at most.
 
 It serves a head in fma_blocks' layout (Intel's CPUs without AMX; the only layout whose sums it
-reproduces) without a bias, where the compiled int8 kernel serves too; `LAYERLINE_GREEDY_SCREEN=off`
-turns it off. What it returns is not the logits: the winner's logit at the winner and -inf elsewhere,
-which `sampler.greedy` reads as the whole row would read.
+reproduces) without a bias, where the compiled int8 kernel serves too (layouts.keeps_head_screen);
+`LAYERLINE_GREEDY_SCREEN=off` turns it off. Its codes, scales and bounds are the model's buffers
+(`StageModel.head_screen`, counted in what a stage holds, and by `layerline plan`). What it returns
+is not the logits: the winner's logit at the winner and -inf elsewhere, which `sampler.greedy`
+reads as the whole row would read.
 
 Knows the head's layout and the bound; nothing of models, steps or the network.
 """
@@ -43,10 +45,20 @@ ENV = "LAYERLINE_GREEDY_SCREEN"  # auto (the default): screen where it serves; o
 ROWS_AT_ONCE = 4096  # outputs whose bounds are computed at once (in float64) when the screen is made
 
 
-class HeadScreen:
+def screen_bytes(vocab: int, hidden: int) -> int:
+    """What a screen of a [vocab, hidden] head holds: codes, bfloat16 scales, float32 bounds."""
+    return vocab * hidden + vocab * 2 + vocab * 4
+
+
+class HeadScreen(nn.Module):
     """The argmax of x W^T for one row x, W a head in fma_blocks' layout, read through its int8 codes."""
 
+    codes: torch.Tensor  # [out, in] int8
+    scales: torch.Tensor  # [out] bfloat16
+    bounds: torch.Tensor  # [vocab] float32: c_j of the module's doc
+
     def __init__(self, blocked: torch.Tensor, vocab: int) -> None:
+        super().__init__()
         dtype, fan_in = blocked.dtype, blocked.shape[1]
         dense = _dense(blocked)  # [out, in] float32
         codes, scales = quantize_int8(dense)
@@ -54,8 +66,10 @@ class HeadScreen:
         kernel = block_kernel(dtype)
         if product is None or kernel is None:
             raise ValueError("the int8 row kernel or the block kernel does not serve on this CPU")
-        self.blocked, self.codes, self.scales, self.vocab = blocked, codes, scales, vocab
-        self.bounds = _bounds(dense, codes, scales)[:vocab].contiguous()  # [vocab] float32
+        self.blocked, self.vocab = blocked, vocab  # the head's weight: not a buffer of this module
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scales)
+        self.register_buffer("bounds", _bounds(dense, codes, scales)[:vocab].contiguous())
         self._product, self._argmax = product[0], kernel.unchecked["blocks_screened_argmax"]
         self._bf16, self._fan_in = int(dtype == torch.bfloat16), fan_in
         self._best = torch.empty(1)
@@ -72,11 +86,11 @@ class HeadScreen:
         if not 0 < vocab <= blocked.shape[0] * BLOCK or block_kernel(blocked.dtype) is None:
             return None
         screen = cls(blocked, vocab)
-        mb = (screen.codes.numel() + 2 * screen.scales.numel() + 4 * vocab) / 1e6
+        mb = screen_bytes(vocab, blocked.shape[1]) / 1e6
         log.info("greedy steps read the LM head through its int8 screen (head_screen.py): %.1f MB more", mb)
         return screen
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [1, in] (the final norm's row, the head's dtype) -> [1, vocab] float32: at the head's
         argmax its logit, -inf elsewhere; None where x or the screen is not finite."""
         if x.shape != (1, self._fan_in) or x.dtype != self.blocked.dtype or not x.is_contiguous():

@@ -10,7 +10,8 @@ of the same weight that is faster on CPU (each class below says what it measured
 - the LM head becomes `LMHead` (column blocks of its weight);
 - then, where oneDNN serves the dtype (`can_pack`) and the weight layout is not `plain`,
   `pack_linears` wraps each of them in a `PackedLinear`, and the model gets the `DecodePath`
-  (decode_path.py) that runs a decode batch's step over the packed weights without the modules;
+  (decode_path.py) that runs a decode batch's step over the packed weights without the modules,
+  and where the head is in fma_blocks' layout its int8 screen for greedy lone rows (head_screen.py);
 - each layout offers `row_weight(threads)`, how a single row multiplies it (a plain one on several
   threads: blocks of its output columns, `_row_blocks`; a packed one alone: the packed weight), and
   the model gets the `RowPath` (rows.py) that runs a step of one token over them without the modules.
@@ -26,18 +27,21 @@ Knows the model's module names, and nothing of checkpoints, of how tensors are c
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import head_screen
 from .decode_path import DecodePath
+from .head_screen import HeadScreen
 from .llama import DecoderLayer, StageModel, StepThreads, VocabParallelEmbedding
 from .quantize import Int8Embedding, QuantizeError, quantized
-from .row_kernel import bf16_row_kernel
+from .row_kernel import bf16_row_kernel, int8_row_kernel
 from .rows import RowPath, RowWeight, row_product
-from .settings import QUANTIZE, WEIGHT_LAYOUTS  # see PackedLinear; the stage's --weight-layout, --quantize
+from .settings import check_quantize, check_weight_layout  # the stage's --weight-layout, --quantize
 from .tiles import blocks_pack, bound_product, pack
 
 MANY_ROWS = 16  # from this many rows on, a matmul is worth computing as (W x^T)^T (see below)
@@ -46,8 +50,7 @@ HEAD_BLOCKS = (8, 4, 2, 1)  # the LM head's blocks: the first of these that divi
 
 def _by_weight_rows(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x W^T + b computed as (W x^T)^T: `weight` is [out, in] (any strides); contiguous result."""
-    y = (weight @ x.t()).t()
-    return y + bias if bias is not None else y.contiguous()
+    return (weight @ x.t()).t() + bias if bias is not None else (weight @ x.t()).t().contiguous()
 
 
 def _row_blocks(weight: torch.Tensor, threads: int, *, transposed: bool) -> torch.Tensor:
@@ -285,18 +288,6 @@ class PackedLinear(nn.Module):
         return self.several_rows()(x)
 
 
-def check_weight_layout(weight_layout: str) -> None:
-    """ValueError naming the choices unless `weight_layout` is one of WEIGHT_LAYOUTS."""
-    if weight_layout not in WEIGHT_LAYOUTS:
-        raise ValueError(f"weight layout {weight_layout!r} is not one of {', '.join(WEIGHT_LAYOUTS)}")
-
-
-def check_quantize(quantize: str) -> None:
-    """ValueError naming the choices unless `quantize` is one of QUANTIZE."""
-    if quantize not in QUANTIZE:
-        raise ValueError(f"quantize {quantize!r} is not one of {', '.join(QUANTIZE)}")
-
-
 def apply_layouts(
     model: StageModel,
     *,
@@ -332,6 +323,7 @@ def apply_layouts(
     if kept is not None:
         pack_linears(model, keep_plain=kept[0], keep_rows=kept[1])
         model.decode_path = DecodePath(model)  # a decode batch's step over the packed weights
+        model.head_screen = HeadScreen.of(model.lm_head, model.config.vocab_size)  # a greedy lone row's head
     model.row_path = RowPath(model)  # a step of one token over the layers' row weights
     return model
 
@@ -356,6 +348,14 @@ def weight_copies(weight_layout: str, dtype: torch.dtype, device: torch.device |
     check_weight_layout(weight_layout)
     kept = _kept(weight_layout, dtype, device, tp_size)
     return 1 + (kept is not None and any(kept))
+
+
+def keeps_head_screen(dtype: torch.dtype) -> bool:
+    """Whether a last stage of one rank keeps its `dtype` head's int8 screen here (head_screen.py: the head in
+    fma_blocks' layout, the int8 kernel serving; a vocabulary of whole blocks of 32, no bias): `layerline plan`."""
+    if os.environ.get(head_screen.ENV, "auto") == "off" or int8_row_kernel() is None:
+        return False
+    return can_pack(dtype, "cpu") and blocks_pack(dtype)
 
 
 def pack_linears(model: nn.Module, *, keep_plain: bool, keep_rows: bool = False) -> None:

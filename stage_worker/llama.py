@@ -334,6 +334,7 @@ class StageModel(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(config.rope, config.head_dim), persistent=False)
         self.row_path: RowPath | None = None  # for a step of one token (see RowPath); layouts.py sets it
         self.decode_path: DecodePath | None = None  # for a decode batch (see DecodePath); layouts.py sets it
+        self.head_screen: nn.Module | None = None  # a greedy lone row's head (head_screen.py); layouts.py sets it
 
     @property
     def is_first(self) -> bool:

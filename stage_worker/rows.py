@@ -187,7 +187,8 @@ class RowPath:
         self.model = model
         self._plans: dict[int, _RowPlan | None] = {}
         self.stack = LayerStack.of(model)  # where the FMA blocks serve every product: the layers in one call
-        self.screen = HeadScreen.of(model.lm_head, model.config.vocab_size)  # a greedy step's head (head_screen.py)
+        screen = model.head_screen  # a greedy step's head (head_screen.py), where layouts.py made one
+        self.screen = screen if isinstance(screen, HeadScreen) else None
 
     def plan(self, threads: int) -> _RowPlan | None:
         """The layers' and the head's row weights on `threads` threads; None unless every linear

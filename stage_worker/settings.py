@@ -94,3 +94,15 @@ def openmp_defaults(environ: MutableMapping[str, str]) -> None:
     if "OMP_WAIT_POLICY" not in environ and "GOMP_SPINCOUNT" not in environ:
         environ["OMP_WAIT_POLICY"] = "ACTIVE"
         environ["GOMP_SPINCOUNT"] = "30000"
+
+
+def check_weight_layout(weight_layout: str) -> None:
+    """ValueError naming the choices unless `weight_layout` is one of WEIGHT_LAYOUTS."""
+    if weight_layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight layout {weight_layout!r} is not one of {', '.join(WEIGHT_LAYOUTS)}")
+
+
+def check_quantize(quantize: str) -> None:
+    """ValueError naming the choices unless `quantize` is one of QUANTIZE."""
+    if quantize not in QUANTIZE:
+        raise ValueError(f"quantize {quantize!r} is not one of {', '.join(QUANTIZE)}")

@@ -24,9 +24,10 @@ from torch import nn
 
 from layerline.shared.model_config import ConfigError, LayerRange, ModelConfig
 
-from .layouts import apply_layouts, check_quantize, check_weight_layout
+from .layouts import apply_layouts
 from .llama import StageModel, rope_inv_freq
 from .parallel import SINGLE_RANK, TensorParallel
+from .settings import check_quantize, check_weight_layout
 from .sharding import ZEROS, Piece, piece_for
 
 SINGLE_FILE = "model.safetensors"

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from layerline.bench.bandwidth_floor import BandwidthFloor, weight_bytes
+from layerline.bench.bandwidth_floor import BandwidthFloor, screened_weight_bytes, weight_bytes
 from layerline.shared.model_config import LayerRange, ModelConfig
 from layerline.stage_worker.llama import StageModel
 
@@ -35,6 +35,24 @@ def _linear_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
 def test_a_tokens_bytes_are_the_linear_layers_and_the_head(dtype: str, biases: bool) -> None:
     config = dataclasses.replace(TINY_SHAPES, qkv_bias=biases, o_bias=biases, mlp_bias=biases)
     assert weight_bytes(config, dtype) == _linear_bytes(config, getattr(torch, dtype))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_through_the_screen_the_head_weighs_what_its_screen_holds(dtype: str) -> None:
+    """The head's bytes at the dtype give way to those of its int8 screen's buffers (head_screen.py)."""
+    from layerline.stage_worker import fma_blocks
+    from layerline.stage_worker.head_screen import HeadScreen
+
+    config = dataclasses.replace(TINY_SHAPES, vocab_size=256)
+    head = torch.randn(256, config.hidden_size).to(getattr(torch, dtype))
+    if fma_blocks.block_kernel(head.dtype) is None:
+        pytest.skip("no block kernel with AVX-512 here")
+    screen = HeadScreen(fma_blocks.layout(head), 256)
+    held = sum(b.numel() * b.element_size() for b in screen.buffers())
+    assert held == 256 * config.hidden_size + 256 * 6
+    assert (
+        screened_weight_bytes(config, dtype) == weight_bytes(config, dtype) - head.numel() * head.element_size() + held
+    )
 
 
 def test_its_rate_is_the_read_bandwidth_over_those_bytes() -> None:

@@ -129,15 +129,16 @@ def test_a_stages_greedy_steps_take_the_screen_and_the_wholes_tokens(tmp_path, m
     take it; LAYERLINE_GREEDY_SCREEN=off makes none."""
     make_tiny_checkpoint("smollm2", tmp_path, num_layers=2, vocab_size=256, hidden_size=96, intermediate_size=128)
     calls = []
-    screened = HeadScreen.__call__
+    screened = HeadScreen.forward
 
     def counted(self, x):
         calls.append(x.shape[0])
         return screened(self, x)
 
-    monkeypatch.setattr(HeadScreen, "__call__", counted)
+    monkeypatch.setattr(HeadScreen, "forward", counted)
     engine = _engine(tmp_path, dtype)
     assert engine.model.row_path is not None and engine.model.row_path.screen is not None
+    assert engine.model.head_screen is engine.model.row_path.screen
     greedy = [d.token_id for d in _decode(engine, [1, 17, 42, 99], 12, None)]
     assert len(calls) == 11  # every step after the prompt's
     asking = _decode(_engine(tmp_path, dtype), [1, 17, 42, 99], 12, SamplingParams(logprobs=2))
@@ -145,5 +146,5 @@ def test_a_stages_greedy_steps_take_the_screen_and_the_wholes_tokens(tmp_path, m
     assert all(len(d.top) == 2 and all(p > -1e9 for _, p in d.top) for d in asking)
     monkeypatch.setenv(head_screen.ENV, "off")
     whole = _engine(tmp_path, dtype)
-    assert whole.model.row_path is not None and whole.model.row_path.screen is None
+    assert whole.model.row_path is not None and whole.model.row_path.screen is None and whole.model.head_screen is None
     assert [d.token_id for d in _decode(whole, [1, 17, 42, 99], 12, None)] == greedy

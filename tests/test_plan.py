@@ -59,6 +59,7 @@ def a_profile(**changes: object) -> MachineProfile:
         runtime_bytes=400 * 2**20,
         cluster_compute_factor=1.0,
         weight_copies={"float32": {"1": 2, "2": 2}, "bfloat16": {"1": 2, "2": 1}},
+        head_screen={"float32": False, "bfloat16": False},
     )
     return replace(profile, **changes)  # type: ignore[arg-type]
 

@@ -12,7 +12,7 @@ import torch
 from layerline.plan.profile import MachineProfile, ProfileError
 from layerline.plan.shapes import Placement, load_model_config, memory_per_rank
 from layerline.shared.model_config import LayerRange, ModelConfig
-from layerline.stage_worker.layouts import can_pack, weight_copies
+from layerline.stage_worker.layouts import can_pack, keeps_head_screen, weight_copies
 from layerline.stage_worker.row_kernel import bf16_row_kernel
 from layerline.stage_worker.tiles import blocks_pack
 from layerline.stage_worker.weights import held_bytes, load_stage
@@ -21,10 +21,12 @@ from .test_plan import a_profile
 from .tiny_models import make_tiny_checkpoint
 
 
-@pytest.fixture(scope="module", params=["smollm2", "qwen2", "llama3"])  # tied; tied with q/k/v biases; untied
+# tied; tied with q/k/v biases; untied; a vocabulary of whole blocks of 32 (the head's screen where it serves)
+@pytest.fixture(scope="module", params=["smollm2", "qwen2", "llama3", "smollm2-256"])
 def checkpoint(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param)
-    make_tiny_checkpoint(request.param, out, num_layers=4)
+    family, _, vocab = request.param.partition("-")
+    make_tiny_checkpoint(family, out, num_layers=4, **({"vocab_size": int(vocab)} if vocab else {}))
     return out
 
 
@@ -36,8 +38,12 @@ def test_the_planned_weights_are_what_a_loaded_stage_holds(checkpoint, dtype, la
     stage = load_stage(checkpoint, LayerRange(*span), dtype=getattr(torch, dtype), weight_layout=layout)
     copies = weight_copies(layout, getattr(torch, dtype), "cpu", 1)
     place = Placement(*span, tp=1, first=span[0] == 0, last=span[1] == config.num_layers)
-    planned = memory_per_rank(config, place, dtype, context=1, concurrency=1, runtime_bytes=0, copies=copies)
+    screened = keeps_head_screen(getattr(torch, dtype)) and layout != "plain"  # the screen of a packed head
+    planned = memory_per_rank(
+        config, place, dtype, context=1, concurrency=1, runtime_bytes=0, copies=copies, screened=screened
+    )
     assert planned.weights == held_bytes(stage)
+    assert (stage.head_screen is not None) == (screened and place.last and config.vocab_size % 32 == 0)
     # Two copies exactly where `both` keeps a second layout on this machine, one everywhere else.
     second = layout == "both" and can_pack(getattr(torch, dtype), "cpu")
     second = second and not blocks_pack(getattr(torch, dtype))  # the blocks are the only copy
@@ -97,8 +103,17 @@ def test_a_profile_with_bad_copies_is_refused(bad, says) -> None:
         MachineProfile.from_dict(raw)
     assert says in str(e.value)
     raw.pop("weight_copies")
-    # before the copies were counted; bfloat16 kept 1, then 2 on Intel without AMX; the loops' step times
-    for old in (3, 4, 5, 6):
+    # before the copies were counted; bfloat16 kept 1, then 2 on Intel without AMX; the loops' step
+    # times; the layer stack's, before the head's screen was counted
+    for old in (3, 4, 5, 6, 7):
         raw["version"] = old
-        with pytest.raises(ProfileError, match=f"version {old}, this layerline reads 7: calibrate again"):
+        with pytest.raises(ProfileError, match=f"version {old}, this layerline reads 8: calibrate again"):
             MachineProfile.from_dict(raw)
+
+
+@pytest.mark.parametrize("bad", [{"float32": 1}, {"float32": "yes"}, [True]])
+def test_a_profile_with_bad_screens_is_refused(bad) -> None:
+    raw = json.loads(json.dumps(a_profile().__dict__))
+    raw["head_screen"] = bad
+    with pytest.raises(ProfileError, match="head_screen must map each dtype to true or false"):
+        MachineProfile.from_dict(raw)

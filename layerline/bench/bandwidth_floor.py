@@ -7,11 +7,13 @@ how fast they multiply. This measures that speed, in the bench's own process on 
 torch reads it: the best of a few sums over a float32 buffer far larger than the last cache.
 The weights' bytes a token reads (`weight_bytes`: the model's linear layers and its LM head at
 the run's dtype; norms and one embedding row are next to nothing) over that speed is the least
-time any engine could take a token here; transformers' time over it is the most any engine
-could show over transformers, and our stage's rate over its rate is how much of the machine a
-lone stream keeps. Measured in seven bench runs on 2 cores of an Intel Xeon with AMX (issue 21's
-nineteenth session): 28-33 GB/s; SmolLM2 reads 538 MB a token in float32, 16-19 ms, against
-transformers' 38-39 ms (2.16-2.33x), and 269 MB in bfloat16 (4.5-4.8x).
+time any engine reading them could take a token here (`screened_weight_bytes`: where a greedy
+step reads the head through its int8 screen, the least for such a step); transformers' time over
+it is the most any engine could show over transformers, and our stage's rate over its rate is how
+much of the machine a lone stream keeps. Measured in seven bench runs on 2 cores of an Intel
+Xeon with AMX (issue 21's nineteenth session): 28-33 GB/s; SmolLM2 reads 538 MB a token in
+float32, 16-19 ms, against transformers' 38-39 ms (2.16-2.33x), and 269 MB in bfloat16 (4.5-4.8x);
+through the screen 453 and 241 MB.
 
 Knows a model by its config's shapes only; nothing of clusters or the network.
 """
@@ -43,6 +45,16 @@ def weight_bytes(config: ModelConfig, dtype: str) -> int:
         per_layer += 2 * c.intermediate_size + c.hidden_size
     elements = c.num_layers * per_layer + c.vocab_size * c.hidden_size
     return elements * getattr(torch, dtype).itemsize
+
+
+def screened_weight_bytes(config: ModelConfig, dtype: str) -> int:
+    """`weight_bytes` where a greedy lone row reads the LM head through its int8 screen instead
+    (stage_worker/head_screen.py: a code a weight, a bfloat16 scale and a float32 bound an output;
+    the few outputs it leaves, a few KB each, not counted)."""
+    import torch
+
+    head = config.vocab_size * config.hidden_size
+    return weight_bytes(config, dtype) - head * getattr(torch, dtype).itemsize + head + config.vocab_size * 6
 
 
 @dataclass

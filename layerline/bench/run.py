@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from layerline.bench.bandwidth_floor import BandwidthFloor
+from layerline.bench.bandwidth_floor import BandwidthFloor, screened_weight_bytes
 from layerline.bench.baseline import Baseline
 from layerline.bench.batch_floor import BatchFloor
 from layerline.bench.client_cpu import ClientCpu, http_floor
@@ -138,12 +138,22 @@ def _relay_ratios(result: BenchResult, floor: HopFloor) -> dict[str, float]:
 def _bandwidth_floor(config: ModelConfig, dtype: str, rounds: int) -> dict[str, float]:
     """A lone stream's rate at this process's read bandwidth, once a round (medians)."""
     _log("memory bandwidth (the floor under a single stream) ...")
+    import torch
+
+    from layerline.stage_worker.layouts import keeps_head_screen
+
     floor = BandwidthFloor(config, dtype)
     tokens = statistics.median(_rounds(rounds, {"bandwidth_floor": floor.tokens_per_s})["bandwidth_floor"])
+    screened = keeps_head_screen(getattr(torch, dtype)) and config.vocab_size % 32 == 0
+    read = screened_weight_bytes(config, dtype) if screened else floor.weight_bytes
     return {
         "weights_bytes_per_token": floor.weight_bytes,
         "read_gb_per_s": tokens * floor.weight_bytes / 1e9,
         "tokens_per_s": tokens,
+        # where a greedy step reads the LM head through its int8 screen (head_screen.py): its bytes and rate
+        "head_screen": float(screened),
+        "screened_bytes_per_token": read,
+        "screened_tokens_per_s": tokens * floor.weight_bytes / read,
     }
 
 
@@ -304,6 +314,10 @@ def _judge(
         # process's read bandwidth (bandwidth_floor.py), against transformers and against ours.
         "single_stream_bandwidth_floor_vs_transformers": result.bandwidth_floor["tokens_per_s"] / s["transformers"],
         "single_stream_1_stage_vs_bandwidth_floor": s["1_stage"] / result.bandwidth_floor["tokens_per_s"],
+        # The same where the bench's greedy steps read the LM head through its int8 screen (equal where they do not).
+        "single_stream_screened_floor_vs_transformers": result.bandwidth_floor["screened_tokens_per_s"]
+        / s["transformers"],
+        "single_stream_1_stage_vs_screened_floor": s["1_stage"] / result.bandwidth_floor["screened_tokens_per_s"],
         # The median gap between tokens, 2 stages minus 1: one more hop, the same layers.
         "added_ms_per_extra_hop_per_token": (
             result.single_stream["2_stages"].median_gap_ms - result.single_stream["1_stage"].median_gap_ms

@@ -314,6 +314,13 @@ def kept_copies() -> dict[str, dict[str, int]]:
     }
 
 
+def kept_screens() -> dict[str, bool]:
+    """dtype -> whether a last stage of one rank keeps the LM head's int8 screen on this machine."""
+    from layerline.stage_worker.layouts import keeps_head_screen
+
+    return {dtype: keeps_head_screen(getattr(torch, dtype)) for dtype in DTYPES}
+
+
 def _copies_line(copies: dict[str, dict[str, int]]) -> str:
     return ", ".join(f"{d} {c['1']} on one rank, {c['2']} on a tensor-parallel one" for d, c in copies.items())
 
@@ -338,6 +345,11 @@ def calibrate(checkpoint: Path, *, port: int = 7580, log: Callable[[str], None] 
     log(f"a stage process besides its tensors: {runtime / 2**20:.0f} MiB")
     copies = kept_copies()
     log("copies of each weight matrix a stage keeps under the default --weight-layout: " + _copies_line(copies))
+    screens = kept_screens()
+    log(
+        "the LM head's int8 screen for greedy lone rows: "
+        + ", ".join(f"{d} {'yes' if v else 'no'}" for d, v in screens.items())
+    )
     path = measure_path(checkpoint, port=port, tokens=PATH_TOKENS, rounds=3, log=log)
     profile = MachineProfile(
         cpu=cpu_name(),
@@ -356,6 +368,7 @@ def calibrate(checkpoint: Path, *, port: int = 7580, log: Callable[[str], None] 
         runtime_bytes=runtime,
         cluster_compute_factor=1.0,
         weight_copies=copies,
+        head_screen=screens,
     )
     # A cluster's stages compute slower than the engine's steps back to back (the rates above), and
     # a chain of 2 slower still than 1 (each stage starts its step after a pause): the first is a

@@ -223,6 +223,7 @@ def predict(config: ModelConfig, layout: Layout, machine: Machine, work: Workloa
             concurrency=per_chain,
             runtime_bytes=runtime,
             copies=machine.profile.copies(work.dtype, s.tp) if machine.is_cpu and machine.profile else 1,
+            screened=bool(machine.is_cpu and machine.profile and machine.profile.head_screen.get(work.dtype)),
         )
         for s in stages
     ]

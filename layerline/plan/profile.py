@@ -16,7 +16,7 @@ from typing import Any
 
 from layerline.model_store import cache_root
 
-PROFILE_VERSION = 7  # 7: a step's layers in one call where fma_blocks serves (layer_stack.py)
+PROFILE_VERSION = 8  # 8: the LM head's int8 screen (head_screen), its memory counted
 MATMUL_ROWS = (1, 4, 8, 16, 64, 256)  # the row counts measured: decode steps up to prompt chunks
 # The hidden sizes whose layers the matmul rates are measured on: the embedded model's, and a wide
 # model's whose steps are nearly all streaming weights. A model between them is read in between.
@@ -60,6 +60,9 @@ class MachineProfile:
     # dtype -> "1" (one rank) or "2" (a tensor-parallel rank) -> the copies of each weight matrix a
     # stage keeps here under --weight-layout both (layouts.weight_copies); a dtype not named: 1
     weight_copies: dict[str, dict[str, int]]
+    # dtype -> whether a last stage of one rank keeps the LM head's int8 screen here (its memory
+    # counted: stage_worker/head_screen.py's `serves`); a dtype not named: no
+    head_screen: dict[str, bool]
     version: int = PROFILE_VERSION
 
     def copies(self, dtype: str, tp: int) -> int:
@@ -131,6 +134,9 @@ class MachineProfile:
         _table(raw["allreduce_s"], f"{source}: allreduce_s", depth=1, allow_empty=True)
         _table(raw["allreduce_bytes_s"], f"{source}: allreduce_bytes_s", depth=1, allow_empty=True)
         _copies(raw["weight_copies"], f"{source}: weight_copies")
+        screens = raw["head_screen"]
+        if not isinstance(screens, dict) or not all(isinstance(v, bool) for v in screens.values()):
+            raise ProfileError(f"{source}: head_screen must map each dtype to true or false")
         if raw["allreduce_s"].keys() != raw["allreduce_bytes_s"].keys():
             raise ProfileError(f"{source}: allreduce_s and allreduce_bytes_s must name the same tp sizes")
         for name in ("cpu", "torch_version"):

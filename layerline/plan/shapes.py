@@ -157,15 +157,26 @@ def memory_per_rank(
     concurrency: int,
     runtime_bytes: int,
     copies: int = 1,
+    screened: bool = False,
 ) -> Memory:
     """What one device of `stage` holds with `concurrency` sequences of `context` tokens on its
-    chain, `copies` of each weight matrix (see `stage_params_per_rank`)."""
+    chain, `copies` of each weight matrix (see `stage_params_per_rank`); where `screened` (the
+    machine's stages keep one: stage_worker/head_screen.py), the LM head's int8 screen too."""
     return Memory(
-        weights=stage_params_per_rank(config, stage, copies=copies) * DTYPE_BYTES[dtype],
+        weights=stage_params_per_rank(config, stage, copies=copies) * DTYPE_BYTES[dtype]
+        + (screen_bytes_per_rank(config, stage) if screened else 0),
         kv_cache=kv_bytes_per_token(config, stage, dtype) * context * concurrency,
         activations=activation_bytes(config, stage, dtype, concurrency=concurrency),
         runtime=runtime_bytes,
     )
+
+
+def screen_bytes_per_rank(config: ModelConfig, stage: Placement) -> int:
+    """The LM head's int8 screen a last stage of one rank keeps where its head is a whole number of
+    blocks of 32 outputs (head_screen.screen_bytes: a code a weight, a scale and a bound an output)."""
+    if not stage.last or stage.tp != 1 or config.vocab_size % 32:
+        return 0
+    return config.vocab_size * (config.hidden_size + 2 + 4)
 
 
 def hidden_bytes_per_token(config: ModelConfig, dtype: str) -> int:
