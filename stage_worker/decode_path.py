@@ -81,6 +81,7 @@ class DecodePath:
         cache: PagedKVCache,
         layout: StepLayout,
         logit_rows: torch.Tensor | None,
+        argmax_only: bool = False,
     ) -> torch.Tensor | None:
         """The layers (and head) for a decode batch, x [D, hidden], cos and sin [D, 1, head_dim]:
         what `StageModel.forward` returns, or None where this path does not serve."""
@@ -100,9 +101,10 @@ class DecodePath:
         if model.lm_head is None:
             return x
         assert model.norm is not None  # the last stage holds both
-        if logit_rows is not None:
-            x = x[logit_rows]
-        logits = model.lm_head(model.norm(x))  # [R, vocab padded]
+        x = model.norm(x if logit_rows is None else x[logit_rows])
+        if (screened := model.screened(x, argmax_only)) is not None:  # few greedy rows (head_screen.py)
+            return screened
+        logits = model.lm_head(x)  # [R, vocab padded]
         return logits[:, : model.config.vocab_size].float()
 
 

@@ -228,7 +228,7 @@ class StageEngine:
             return out
         drafts = [s.draft for s in out.kept]
         wanted = logit_rows(layout.seq_lens, drafts) if any(drafts) else layout.last_rows()
-        greedy = self.samples and not any(drafts) and all(reads_argmax(s.sampling) for s in out.kept)
+        greedy = self.samples and all(reads_argmax(s.sampling) for s in out.kept)  # drafts too: `verify` draws
         logits = self.model(inputs, cache=self.cache, layout=layout, logit_rows=wanted, argmax_only=greedy)
         if self.samples:
             self._sample(out, logits)

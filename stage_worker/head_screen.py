@@ -10,7 +10,7 @@ output j a bound c_j such that the head's output y_j = x . w_j and the screen's 
 rounding included: c_j = ||w_j - w'_j|| + 2 g (||w_j|| + ||w'_j||) with g = n u / (1 - n u),
 n = inputs + 16 and u = 2^-24 (a sum of n products in any order errs by at most g times the sum of
 their magnitudes, at most ||x|| ||w_j|| by Cauchy-Schwarz; the screen's scaling adds one rounding).
-x times the codes (row_kernel.bind_int8's kernel) then rules out every output whose upper bound
+x times the codes (blocks.c's int8 product, in fma_blocks' layout) then rules out every output whose upper bound
 falls below another's lower bound; blocks.c computes the few left as the whole product computes
 them, to the bit, and the first largest of them is the whole product's argmax (`torch.argmax`'s
 answer: ties go to the first). In bfloat16, where the head rounds each output to bfloat16, the
@@ -18,7 +18,7 @@ bounds widen by that rounding. Over 257 greedy steps of 8 prompts on SmolLM2 in 
 outputs were left at the median, 54 at most.
 
 It serves a head in fma_blocks' layout (Intel's CPUs without AMX; the only layout whose sums it
-reproduces) without a bias, where the compiled int8 kernel serves too (layouts.keeps_head_screen);
+reproduces) without a bias (layouts.keeps_head_screen);
 `LAYERLINE_GREEDY_SCREEN=off` turns it off. Its codes, scales and bounds are the model's buffers
 (`StageModel.head_screen`, counted in what a stage holds, and by `layerline plan`). What it returns
 is not the logits: the winner's logit at the winner and -inf elsewhere, which `sampler.greedy`
@@ -37,12 +37,16 @@ from torch import nn
 
 from .fma_blocks import BLOCK, block_kernel, is_blocked
 from .quantize import quantize_int8
-from .row_kernel import bind_int8, int8_row_kernel
 
 log = logging.getLogger(__name__)
 
 ENV = "LAYERLINE_GREEDY_SCREEN"  # auto (the default): screen where it serves; off: never
 ROWS_AT_ONCE = 4096  # outputs whose bounds are computed at once (in float64) when the screen is made
+# The most rows a step screens at once, by the head's dtype: more, and the whole head is read. The
+# head alone, SmolLM2's, cold (1.5 GB read between calls), 2 threads, Intel Xeon family 6 model 207,
+# ms, whole against screened: float32 1 row 3.64 / 1.54, 2 rows 3.66 / 1.71, 4 rows 3.69 / 2.23,
+# 8 rows 3.86 / 3.21, 12 rows 4.31 / 4.82; bfloat16 1 row 1.99 / 1.53, 2 rows 2.02 / 2.14.
+MAX_ROWS = {torch.float32: 8, torch.bfloat16: 1}
 
 
 def screen_bytes(vocab: int, hidden: int) -> int:
@@ -51,9 +55,9 @@ def screen_bytes(vocab: int, hidden: int) -> int:
 
 
 class HeadScreen(nn.Module):
-    """The argmax of x W^T for one row x, W a head in fma_blocks' layout, read through its int8 codes."""
+    """The argmax of x W^T for each of a few rows x, W a head in fma_blocks' layout, read through its int8 codes."""
 
-    codes: torch.Tensor  # [out, in] int8
+    codes: torch.Tensor  # [out / 32, in, 32] int8 (`_blocked_codes`)
     scales: torch.Tensor  # [out] bfloat16
     bounds: torch.Tensor  # [vocab] float32: c_j of the module's doc
 
@@ -62,17 +66,17 @@ class HeadScreen(nn.Module):
         dtype, fan_in = blocked.dtype, blocked.shape[1]
         dense = _dense(blocked)  # [out, in] float32
         codes, scales = quantize_int8(dense)
-        product = bind_int8(codes, scales, None)
         kernel = block_kernel(dtype)
-        if product is None or kernel is None:
-            raise ValueError("the int8 row kernel or the block kernel does not serve on this CPU")
+        if kernel is None:
+            raise ValueError(f"the {dtype} block kernel does not serve on this CPU")
         self.blocked, self.vocab = blocked, vocab  # the head's weight: not a buffer of this module
-        self.register_buffer("codes", codes)
+        self.register_buffer("codes", _blocked_codes(codes))  # [out / 32, in, 32], as float32's blocks
         self.register_buffer("scales", scales)
         self.register_buffer("bounds", _bounds(dense, codes, scales)[:vocab].contiguous())
-        self._product, self._argmax = product[0], kernel.unchecked["blocks_screened_argmax"]
+        self._linear, self._argmax = kernel.unchecked["blocks_i8_linear"], kernel.unchecked["blocks_screened_argmax"]
         self._bf16, self._fan_in = int(dtype == torch.bfloat16), fan_in
-        self._best = torch.empty(1)
+        self.max_rows = MAX_ROWS[dtype]
+        self._best = torch.empty(max(MAX_ROWS.values()))  # each row's winning logit
 
     @classmethod
     def of(cls, head: nn.Module | None, vocab: int) -> HeadScreen | None:
@@ -81,7 +85,7 @@ class HeadScreen(nn.Module):
         if os.environ.get(ENV, "auto") == "off" or head is None or getattr(head, "bias", None) is not None:
             return None
         blocked = getattr(head, "weight_packed", None)
-        if not isinstance(blocked, torch.Tensor) or not is_blocked(blocked) or int8_row_kernel() is None:
+        if not isinstance(blocked, torch.Tensor) or not is_blocked(blocked):
             return None
         if not 0 < vocab <= blocked.shape[0] * BLOCK or block_kernel(blocked.dtype) is None:
             return None
@@ -91,20 +95,41 @@ class HeadScreen(nn.Module):
         return screen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        """x [1, in] (the final norm's row, the head's dtype) -> [1, vocab] float32: at the head's
-        argmax its logit, -inf elsewhere; None where x or the screen is not finite."""
-        if x.shape != (1, self._fan_in) or x.dtype != self.blocked.dtype or not x.is_contiguous():
-            wanted = f"one contiguous row of {self._fan_in} {self.blocked.dtype}"
-            raise ValueError(f"{wanted}, not {list(x.shape)} {x.dtype}")
-        screen = self._product(x.float() if self._bf16 else x)  # [1, out]
-        best = self._best
-        args = (self.blocked.data_ptr(), screen.data_ptr(), self.bounds.data_ptr(), self.vocab, self._fan_in)
-        chosen = self._argmax(x.data_ptr(), *args, self._bf16, best.data_ptr())
-        if chosen < 0:
+        """x [R, in] (the final norm's rows, the head's dtype) -> [R, vocab] float32: at each row's
+        argmax of the head its logit, -inf elsewhere; None for more than `max_rows` rows (MAX_ROWS),
+        or where a row or its screen is not finite."""
+        if x.dim() != 2 or x.shape[1] != self._fan_in or x.dtype != self.blocked.dtype:
+            raise ValueError(f"rows of {self._fan_in} {self.blocked.dtype}, not {list(x.shape)} {x.dtype}")
+        rows = x.shape[0]
+        if not 0 < rows <= self.max_rows:
             return None
-        logits = torch.full((1, self.vocab), -torch.inf)
-        logits[0, chosen] = best[0]
+        x = x.contiguous()
+        screen = self.products(x.float() if self._bf16 else x)  # [R, out]
+        best, out, row_bytes = self._best, screen.shape[1], self._fan_in * x.element_size()
+        shared = (self.blocked.data_ptr(), self.bounds.data_ptr(), self.vocab, self._fan_in, self._bf16)
+        chosen = []
+        for r in range(rows):
+            at = (x.data_ptr() + r * row_bytes, shared[0], screen.data_ptr() + r * out * 4, *shared[1:])
+            chosen.append(self._argmax(*at, best.data_ptr() + 4 * r))
+            if chosen[-1] < 0:
+                return None
+        logits = torch.full((rows, self.vocab), -torch.inf)
+        logits[torch.arange(rows), torch.tensor(chosen)] = best[:rows]
         return logits
+
+    def products(self, x: torch.Tensor) -> torch.Tensor:
+        """Contiguous float32 rows x [R, in] times the codes, each output scaled: s [R, out]."""
+        screen = torch.empty(x.shape[0], self.scales.shape[0])
+        codes, scales, threads = self.codes.data_ptr(), self.scales.data_ptr(), torch.get_num_threads()
+        self._linear(x.data_ptr(), codes, scales, x.shape[0], screen.shape[1], self._fan_in, threads, screen.data_ptr())
+        return screen
+
+
+def _blocked_codes(codes: torch.Tensor) -> torch.Tensor:
+    """int8 [out, in] codes as blocks.c's int8 product reads them: [out / 32, in, 32], element
+    (b, k, j) output 32b + j's code of input k (fma_blocks.layout's float32 order, a byte each)."""
+    out, fan_in = codes.shape
+    return codes.reshape(out // BLOCK, BLOCK, fan_in).permute(0, 2, 1).contiguous()
 
 
 def _dense(blocked: torch.Tensor) -> torch.Tensor:

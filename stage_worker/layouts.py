@@ -39,7 +39,7 @@ from .decode_path import DecodePath
 from .head_screen import HeadScreen
 from .llama import DecoderLayer, StageModel, StepThreads, VocabParallelEmbedding
 from .quantize import Int8Embedding, QuantizeError, quantized
-from .row_kernel import bf16_row_kernel, int8_row_kernel
+from .row_kernel import bf16_row_kernel
 from .rows import RowPath, RowWeight, row_product
 from .settings import check_quantize, check_weight_layout  # the stage's --weight-layout, --quantize
 from .tiles import blocks_pack, bound_product, pack
@@ -323,7 +323,7 @@ def apply_layouts(
     if kept is not None:
         pack_linears(model, keep_plain=kept[0], keep_rows=kept[1])
         model.decode_path = DecodePath(model)  # a decode batch's step over the packed weights
-        model.head_screen = HeadScreen.of(model.lm_head, model.config.vocab_size)  # a greedy lone row's head
+        model.head_screen = HeadScreen.of(model.lm_head, model.config.vocab_size) if model.tp.size == 1 else None
     model.row_path = RowPath(model)  # a step of one token over the layers' row weights
     return model
 
@@ -352,10 +352,8 @@ def weight_copies(weight_layout: str, dtype: torch.dtype, device: torch.device |
 
 def keeps_head_screen(dtype: torch.dtype) -> bool:
     """Whether a last stage of one rank keeps its `dtype` head's int8 screen here (head_screen.py: the head in
-    fma_blocks' layout, the int8 kernel serving; a vocabulary of whole blocks of 32, no bias): `layerline plan`."""
-    if os.environ.get(head_screen.ENV, "auto") == "off" or int8_row_kernel() is None:
-        return False
-    return can_pack(dtype, "cpu") and blocks_pack(dtype)
+    fma_blocks' layout; a vocabulary of whole blocks of 32, no bias): `layerline plan` counts its memory."""
+    return os.environ.get(head_screen.ENV, "auto") != "off" and can_pack(dtype, "cpu") and blocks_pack(dtype)
 
 
 def pack_linears(model: nn.Module, *, keep_plain: bool, keep_rows: bool = False) -> None:

@@ -18,7 +18,6 @@ loading (layouts.py), of how tensors are cut (sharding.py), the network or sampl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +30,7 @@ from .kv_cache import PagedKVCache, StepLayout
 from .paged_attention import paged_decode_attention, reads_pools, rotated_and_stored
 from .parallel import SINGLE_RANK, TensorParallel
 from .sharding import Shards, shards_for
+from .step_paths import DecodePath, RowPath
 
 
 class RMSNorm(nn.Module):
@@ -41,41 +41,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
-
-
-class RowPath(Protocol):
-    """A faster way through a stage for a step of one token of one sequence whose KV is one run of
-    cache slots, over the same weights: rows.py's, which the CPU layouts install (layouts.py).
-    Returns what `StageModel.forward` returns, or None where it cannot serve the step."""
-
-    def __call__(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        *,
-        cache: PagedKVCache,
-        layout: StepLayout,
-        threads: int,
-        argmax_only: bool,
-    ) -> torch.Tensor | None: ...
-
-
-class DecodePath(Protocol):
-    """A faster way through a stage for a step of decoding sequences only, over the same weights:
-    decode_path.py's, which the CPU layouts install where they pack (layouts.py). Returns what
-    `StageModel.forward` returns, or None where it cannot serve the step."""
-
-    def __call__(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        *,
-        cache: PagedKVCache,
-        layout: StepLayout,
-        logit_rows: torch.Tensor | None,
-    ) -> torch.Tensor | None: ...
 
 
 @dataclass
@@ -384,7 +349,9 @@ class StageModel(nn.Module):
             if out is not None:
                 return out
         if self.decode_path is not None and layout.decode_only and x.shape[0] > 1:
-            out = self.decode_path(x, cos, sin, cache=cache, layout=layout, logit_rows=logit_rows)
+            out = self.decode_path(
+                x, cos, sin, cache=cache, layout=layout, logit_rows=logit_rows, argmax_only=argmax_only
+            )
             if out is not None:
                 return out
         for layer in self.layers.values():
@@ -392,7 +359,13 @@ class StageModel(nn.Module):
         if self.lm_head is None:
             return x
         assert self.norm is not None  # the last stage holds both
-        if logit_rows is not None:
-            x = x[logit_rows]
-        logits = self.tp.all_gather(self.lm_head(self.norm(x)))  # [R, vocab padded to a multiple of tp]
+        x = self.norm(x if logit_rows is None else x[logit_rows])
+        if (screened := self.screened(x, argmax_only)) is not None:
+            return screened
+        logits = self.tp.all_gather(self.lm_head(x))  # [R, vocab padded to a multiple of tp]
         return logits[:, : self.config.vocab_size].float()  # [R, vocab]
+
+    def screened(self, x: torch.Tensor, argmax_only: bool) -> torch.Tensor | None:
+        """The head's answer for the final norm's rows x through its screen (head_screen.py), where
+        the caller reads only each row's argmax and the screen takes these rows; else None."""
+        return self.head_screen(x) if argmax_only and self.head_screen is not None else None

@@ -3,9 +3,8 @@
 One library: a decode batch's attention off the paged pools (`PagedAttentionKernel` called), its
 rotary with the new keys and values written to the pools (`rotate_and_store`), RMSNorm (`rms_norm`)
 and the MLP's SiLU of the gate times the up (`silu_mul`), of kernels/paged_attention.c; bfloat16
-products on AMX tiles (tiles.c, tiles.py); float32 and bfloat16 on FMAs (blocks.c, and the LM head's
-screened argmax: head_screen.py), a step's layers on them in one call (layers.c, layer_stack.py); a few
-rows' (rows.c, int4.c: row_kernel.py, int4_rows.py).
+products on AMX tiles (tiles.c, tiles.py); float32, bfloat16 and the LM head's int8 screen on FMAs (blocks.c,
+head_screen.py), a step's layers on them in one call (layers.c, layer_stack.py); a few rows' (rows.c, int4.c).
 
 Owns finding a C compiler ($CC, else `cc`, else `gcc`), compiling the SOURCES for the CPU it runs
 on (`-O3 -march=native -fopenmp`, without `-march=native` where refused) into the cache
@@ -72,6 +71,7 @@ SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "blocks": ([], _INT),
     "blocks_f32_linear": ([_P, _P, _P, _I, _I, _I, _INT, _P], _INT),
     "blocks_bf16_linear": ([_P, _P, _P, _I, _I, _I, _INT, _P], _INT),
+    "blocks_i8_linear": ([_P, _P, _P, _I, _I, _I, _INT, _P], _INT),
     "blocks_screened_argmax": ([_P, _P, _P, _P, _I, _I, _INT, _P], _I),
     "blocks_layers": ([_I, _P, _P, _P, _P, _INT, _FLOAT, _FLOAT, _INT, _INT, _P, _P], _INT),
     "rows_i8_vectorized": ([], _INT),

@@ -32,7 +32,6 @@ import torch
 from torch import nn
 
 from .fused import norm_kernel, silu_kernel
-from .head_screen import HeadScreen
 from .kv_cache import PagedKVCache, StepLayout
 from .layer_stack import LayerStack
 from .llama import DecoderLayer, StageModel, decode_attention, rms_norm
@@ -187,8 +186,6 @@ class RowPath:
         self.model = model
         self._plans: dict[int, _RowPlan | None] = {}
         self.stack = LayerStack.of(model)  # where the FMA blocks serve every product: the layers in one call
-        screen = model.head_screen  # a greedy step's head (head_screen.py), where layouts.py made one
-        self.screen = screen if isinstance(screen, HeadScreen) else None
 
     def plan(self, threads: int) -> _RowPlan | None:
         """The layers' and the head's row weights on `threads` threads; None unless every linear
@@ -267,7 +264,7 @@ class RowPath:
             return x
         assert plan.norm is not None  # the last stage holds both
         x = row_norm(x, plan.norm, eps)
-        if argmax_only and self.screen is not None and (screened := self.screen(x)) is not None:
+        if (screened := model.screened(x, argmax_only)) is not None:  # a greedy row (head_screen.py)
             return screened
         logits = plan.head.product(x)  # [1, vocab padded]
         return logits[:, : model.config.vocab_size].float()

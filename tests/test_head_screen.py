@@ -69,6 +69,13 @@ def test_the_screen_finds_the_whole_heads_argmax_and_logit_to_the_bit(dtype):
         assert int(torch.isfinite(got).sum()) == 1
         firsts += int(logits.argmax()) in (7, 8)
     assert firsts >= 2  # the rows along output 7 and 301 chose 7, the first of the tie
+    screen.max_rows = 8  # bfloat16 too (it screens one row at a time in a step: MAX_ROWS)
+    for count in range(2, 9):  # several rows at once: each row's answer alone
+        x = torch.cat(rows[count : 2 * count]).to(dtype)
+        logits, got = whole(x)[:, :vocab].float(), screen(x)
+        assert got is not None and got.shape == (count, vocab)
+        assert got.argmax(1).tolist() == logits.argmax(1).tolist()
+        assert got.max(1).values.tolist() == logits.max(1).values.tolist()
 
 
 def test_the_bound_holds_for_every_output():
@@ -82,18 +89,19 @@ def test_the_bound_holds_for_every_output():
     generator = torch.Generator().manual_seed(4)
     for scale in (1e-2, 1.0, 1e3):
         x = torch.randn(1, 576, generator=generator) * scale
-        gap = (whole(x) - screen._product(x)).abs()[0].double()
+        gap = (whole(x) - screen.products(x)).abs()[0].double()
         assert bool((gap <= x.double().norm() * screen.bounds.double()).all())
 
 
 def test_rows_it_cannot_screen_are_left_to_the_whole_head(dtype):
     screen = HeadScreen(fma_blocks.layout(_head(dtype)), 512)
     for bad in (float("nan"), float("inf")):
-        x = torch.zeros(1, 96, dtype=dtype)
-        x[0, 5] = bad
+        x = torch.zeros(3, 96, dtype=dtype)
+        x[1, 5] = bad  # one row of three
         assert screen(x) is None
-    with pytest.raises(ValueError, match="one contiguous row of 96"):
-        screen(torch.zeros(2, 96, dtype=dtype))
+    with pytest.raises(ValueError, match="rows of 96"):
+        screen(torch.zeros(2, 95, dtype=dtype))
+    assert screen(torch.zeros(head_screen.MAX_ROWS[dtype] + 1, 96, dtype=dtype)) is None  # more: the whole head
 
 
 def test_only_plain_greedy_rows_read_the_argmax_alone():
@@ -132,19 +140,63 @@ def test_a_stages_greedy_steps_take_the_screen_and_the_wholes_tokens(tmp_path, m
     screened = HeadScreen.forward
 
     def counted(self, x):
-        calls.append(x.shape[0])
-        return screened(self, x)
+        answer = screened(self, x)
+        calls.extend([x.shape[0]] if answer is not None else [])
+        return answer
 
     monkeypatch.setattr(HeadScreen, "forward", counted)
     engine = _engine(tmp_path, dtype)
-    assert engine.model.row_path is not None and engine.model.row_path.screen is not None
-    assert engine.model.head_screen is engine.model.row_path.screen
+    assert isinstance(engine.model.head_screen, HeadScreen)
     greedy = [d.token_id for d in _decode(engine, [1, 17, 42, 99], 12, None)]
-    assert len(calls) == 11  # every step after the prompt's
+    assert calls == [1] * 12  # the prompt's last row, then every decode step's
     asking = _decode(_engine(tmp_path, dtype), [1, 17, 42, 99], 12, SamplingParams(logprobs=2))
-    assert len(calls) == 11 and [d.token_id for d in asking] == greedy
+    assert len(calls) == 12 and [d.token_id for d in asking] == greedy
     assert all(len(d.top) == 2 and all(p > -1e9 for _, p in d.top) for d in asking)
     monkeypatch.setenv(head_screen.ENV, "off")
     whole = _engine(tmp_path, dtype)
-    assert whole.model.row_path is not None and whole.model.row_path.screen is None and whole.model.head_screen is None
+    assert whole.model.head_screen is None
     assert [d.token_id for d in _decode(whole, [1, 17, 42, 99], 12, None)] == greedy
+
+
+def test_a_decode_batch_and_a_verify_step_take_it_for_their_few_greedy_rows(tmp_path, monkeypatch, dtype):
+    """Three sequences decoding together, and one verifying three drafted tokens (four rows), read
+    the float32 head through the screen, with the tokens of the whole head."""
+    make_tiny_checkpoint("smollm2", tmp_path, num_layers=2, vocab_size=256, hidden_size=96, intermediate_size=128)
+    calls = []
+    screened = HeadScreen.forward
+
+    def counted(self, x):
+        answer = screened(self, x)
+        calls.extend([x.shape[0]] if answer is not None else [])
+        return answer
+
+    monkeypatch.setattr(HeadScreen, "forward", counted)
+    prompts = {"a": [1, 17, 42, 99], "b": [5, 6], "c": [9, 9, 9]}
+
+    def run(engine: StageEngine) -> list[list[int]]:
+        steps = [SequenceStep(n, tuple(range(len(p))), tuple(p)) for n, p in prompts.items()]
+        tokens: list[list[int]] = [[] for _ in prompts]
+        for _ in range(6):
+            out = engine.run(steps)
+            assert not out.errors
+            for i, step in enumerate(steps):
+                tokens[i].append(out.draws[step.sequence_id].token_id)
+            steps = [SequenceStep(s.sequence_id, (s.positions[-1] + 1,), (t[-1],)) for s, t in zip(steps, tokens)]
+        # "a" alone, verifying three drafted tokens (its last three): four rows of logits
+        a = steps[0]
+        drafted = SequenceStep(
+            "a",
+            tuple(range(a.positions[0], a.positions[0] + 4)),
+            (a.token_ids[0], *tokens[0][-3:]),
+            sampling=SamplingParams(),
+            draft=3,
+        )
+        out = engine.run([drafted])
+        assert not out.errors
+        return [*tokens, [d.token_id for d in out.accepted.get("a", ())] + [out.draws["a"].token_id]]
+
+    got = run(_engine(tmp_path, dtype))
+    # the batch's rows, the verify step's; bfloat16 screens a lone row only (MAX_ROWS)
+    assert (3 in calls and 4 in calls) if dtype == torch.float32 else not calls
+    monkeypatch.setenv(head_screen.ENV, "off")
+    assert run(_engine(tmp_path, dtype)) == got

@@ -1,5 +1,6 @@
 /* Products on float32 FMAs of weights laid out in blocks of 32 outputs: Y = X W^T (+ bias) for
- * X [rows, in], Y [rows, out], all bfloat16 or all float32 (fma_blocks.py's `layout`).
+ * X [rows, in], Y [rows, out], all bfloat16 or all float32 (fma_blocks.py's `layout`); and int8
+ * codes with a scale an output times float32 rows (`layerline_blocks_i8_linear`: head_screen.py).
  *
  * oneDNN's products of a few rows and MKL's of many left the FMAs idle half the time on 2 cores of
  * an Intel Xeon without AMX (family 6 model 207), and in bfloat16 oneDNN multiplies on the CPU's
@@ -42,6 +43,9 @@ int layerline_blocks(void) { return 1; }
  * 67.8 (the hardware's prefetcher alone starts each of a step's 121 products cold). */
 #define AHEAD_BYTES 4096
 #define TILE 12 /* rows a sweep: 24 sums, the 2 weights' vectors and a broadcast in 32 registers */
+#define F32 0 /* the weights' kinds: float32, bfloat16, int8 codes with a scale an output */
+#define BF16 1
+#define I8 2
 #define WIDENED_FLOATS (1 << 20) /* at most 4 MiB of widened bfloat16 rows at once: longer prompts in parts */
 #define EVEN(v) _mm512_castsi512_ps(_mm512_slli_epi32((v), 16))
 #define ODD(v) _mm512_castsi512_ps(_mm512_and_si512((v), _mm512_set1_epi32((int)0xffff0000u)))
@@ -65,27 +69,32 @@ static inline __m512 widen16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli
  * `next`, if not NULL, the next block: this sweep (`phase` of `stride` sweeps of the block) asks for
  * every stride-th of its inputs' weights, from the phase-th on, into the second-level cache, so
  * reading it spreads over the block's sweeps. */
-static inline __attribute__((always_inline)) void tile(const float *x, int64_t in, int nx, int bf16, const void *wb,
+static inline __attribute__((always_inline)) void tile(const float *x, int64_t in, int nx, int kind, const void *wb,
                                                        const void *next, int64_t phase, int64_t stride,
                                                        __m512 low_bias, __m512 high_bias, void *y, int64_t out) {
-    const int64_t width = bf16 ? 64 : 128; /* bytes of an input's 32 weights */
+    const int bf16 = kind == BF16;
+    const int64_t width = kind == I8 ? 32 : bf16 ? 64 : 128; /* bytes of an input's 32 weights */
     __m512 a[TILE][2];
     for (int q = 0; q < TILE; ++q) a[q][0] = a[q][1] = _mm512_setzero_ps();
     int64_t ahead = next ? phase : in; /* the next input of the next block to ask for */
     for (int64_t k = 0; k < in; ++k) {
         if (phase == 0) { /* the first sweep reads this block from memory: ask ahead */
             _mm_prefetch((const char *)wb + k * width + AHEAD_BYTES, _MM_HINT_T0);
-            if (!bf16) _mm_prefetch((const char *)wb + k * width + AHEAD_BYTES + 64, _MM_HINT_T0);
+            if (kind == F32) _mm_prefetch((const char *)wb + k * width + AHEAD_BYTES + 64, _MM_HINT_T0);
         }
         if (k == ahead) {
             _mm_prefetch((const char *)next + k * width, _MM_HINT_T1);
-            if (!bf16) _mm_prefetch((const char *)next + k * width + 64, _MM_HINT_T1);
+            if (kind == F32) _mm_prefetch((const char *)next + k * width + 64, _MM_HINT_T1);
             ahead += stride;
         }
         __m512 low, high;
         if (bf16) {
             const __m512i v = _mm512_loadu_si512((const uint16_t *)wb + k * 32);
             low = EVEN(v), high = ODD(v);
+        } else if (kind == I8) { /* exact: |code| <= 128 */
+            const __m256i v = _mm256_loadu_si256((const __m256i *)((const int8_t *)wb + k * 32));
+            low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+            high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
         } else {
             low = _mm512_loadu_ps((const float *)wb + k * 32), high = _mm512_loadu_ps((const float *)wb + k * 32 + 16);
         }
@@ -96,6 +105,11 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t i
         }
     }
     for (int q = 0; q < nx; ++q) {
+        if (kind == I8) { /* the "bias" is each output's scale: the sum scaled once */
+            _mm512_storeu_ps((float *)y + q * out, _mm512_mul_ps(a[q][0], low_bias));
+            _mm512_storeu_ps((float *)y + q * out + 16, _mm512_mul_ps(a[q][1], high_bias));
+            continue;
+        }
         const __m512 low = _mm512_add_ps(a[q][0], low_bias), high = _mm512_add_ps(a[q][1], high_bias);
         if (bf16) {
             _mm256_storeu_si256((__m256i *)((uint16_t *)y + q * out), narrow16(low));
@@ -129,11 +143,12 @@ static float *widened(const uint16_t *x, int64_t n) {
 }
 
 /* Rows xs [n, in] (float32) times this thread's share of the blocks, into y's rows; called in a
- * parallel region of each exported function, so that `bf16` is a constant in each (one region in
- * here would be outlined with `bf16` a variable). */
+ * parallel region of each exported function, so that `kind` is a constant in each (one region in
+ * here would be outlined with `kind` a variable). */
 static inline __attribute__((always_inline)) void linear(const float *xs, const void *w, const void *bias, int64_t n,
-                                                         int64_t out, int64_t in, int bf16, void *y) {
-    const int64_t blocks = out / 32, width = bf16 ? 2 : 4; /* bytes a weight */
+                                                         int64_t out, int64_t in, int kind, void *y) {
+    const int64_t blocks = out / 32, width = kind == I8 ? 1 : kind == BF16 ? 2 : 4; /* bytes a weight */
+    const int bf16 = kind != F32; /* bfloat16 biases, and int8's scales */
     const int64_t t = omp_get_thread_num(), team = omp_get_num_threads();
     const int64_t first = blocks * t / team, last = blocks * (t + 1) / team;
     for (int64_t b = first; b < last; ++b) {
@@ -151,8 +166,8 @@ static inline __attribute__((always_inline)) void linear(const float *xs, const 
         for (int64_t q0 = 0; q0 < n; q0 += TILE) {
             const int nx = n - q0 < TILE ? (int)(n - q0) : TILE;
             const float *xq = xs + q0 * in;
-            char *yq = (char *)y + (q0 * out + b * 32) * width;
-#define TILE_OF(rows_) tile(xq, in, rows_, bf16, wb, next, q0 / TILE, sweeps, low_bias, high_bias, yq, out)
+            char *yq = (char *)y + (q0 * out + b * 32) * (kind == BF16 ? 2 : 4);
+#define TILE_OF(rows_) tile(xq, in, rows_, kind, wb, next, q0 / TILE, sweeps, low_bias, high_bias, yq, out)
             switch (nx) { /* each a tile with its loops unrolled */
             case 1: TILE_OF(1); break;
             case 2: TILE_OF(2); break;
@@ -176,7 +191,16 @@ static inline __attribute__((always_inline)) void linear(const float *xs, const 
 int layerline_blocks_f32_linear(const float *restrict x, const float *restrict w, const float *restrict bias,
                                 int64_t rows, int64_t out, int64_t in, int threads, float *restrict y) {
 #pragma omp parallel num_threads(threads)
-    linear(x, w, bias, rows, out, in, 0, y);
+    linear(x, w, bias, rows, out, in, F32, y);
+    return 0;
+}
+
+/* int8 codes (head_screen.py's screen), float32 X and Y: Y = (X C^T) * scales, each output's sum over
+ * the inputs in order scaled once; the codes laid out as float32's weights, a byte each. 0 done. */
+int layerline_blocks_i8_linear(const float *restrict x, const int8_t *restrict w, const uint16_t *restrict scales,
+                               int64_t rows, int64_t out, int64_t in, int threads, float *restrict y) {
+#pragma omp parallel num_threads(threads)
+    linear(x, w, scales, rows, out, in, I8, y);
     return 0;
 }
 
@@ -191,7 +215,7 @@ int layerline_blocks_bf16_linear(const uint16_t *restrict x, const uint16_t *res
         const float *xs = widened(x + r0 * in, n * in);
         if (!xs) return -1;
 #pragma omp parallel num_threads(threads)
-        linear(xs, w, bias, n, out, in, 1, y + r0 * out);
+        linear(xs, w, bias, n, out, in, BF16, y + r0 * out);
     }
     return 0;
 }
@@ -266,6 +290,12 @@ int layerline_blocks_f32_linear(const float *x, const float *w, const float *bia
 int layerline_blocks_bf16_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, int64_t rows,
                                  int64_t out, int64_t in, int threads, uint16_t *y) {
     (void)x, (void)w, (void)bias, (void)rows, (void)out, (void)in, (void)threads, (void)y; /* never called */
+    return -2;
+}
+
+int layerline_blocks_i8_linear(const float *x, const int8_t *w, const uint16_t *scales, int64_t rows, int64_t out,
+                               int64_t in, int threads, float *y) {
+    (void)x, (void)w, (void)scales, (void)rows, (void)out, (void)in, (void)threads, (void)y; /* never called */
     return -2;
 }
 
