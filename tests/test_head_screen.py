@@ -54,7 +54,8 @@ def test_the_screen_finds_the_whole_heads_argmax_and_logit_to_the_bit(dtype):
     screen = HeadScreen(blocked, vocab)
     whole = fma_blocks.BoundBlocks(blocked, None)
     generator = torch.Generator().manual_seed(1)
-    rows = [torch.randn(1, 96, generator=generator) * scale for scale in (1e-3, 0.3, 1.0, 10.0, 300.0)]
+    scales = (1e-39, 1e-20, 1e-3, 0.3, 1.0, 10.0, 300.0)  # the first two: sums below float32's normal numbers
+    rows = [torch.randn(1, 96, generator=generator) * scale for scale in scales]
     rows += [weight[j : j + 1].float() * 5 for j in (0, 7, 31, 32, 301, 499)]
     rows += [(weight[j : j + 1] + weight[j + 1 : j + 2]).float() for j in (3, 40, 200)]
     rows += [torch.randn(1, 96, generator=generator) for _ in range(200)]

@@ -249,18 +249,20 @@ int64_t layerline_blocks_screened_argmax(const void *x, const void *w, const flo
         norm += (double)xs[k] * xs[k];
     }
     norm = sqrt(norm);
-    const double rounding = bf16 ? 1.0 / 256 : 0.0; /* bfloat16's unit roundoff: |round(y) - y| <= it |y| */
+    /* bfloat16's unit roundoff: |round(y) - y| <= it |y|, or its least subnormal where y is one; and
+     * what the two products' float32 sums can lose below its normal numbers, which the bound leaves out */
+    const double rounding = bf16 ? 1.0 / 256 : 0.0, tiny = (bf16 ? 0x1p-133 : 0.0) + 2.0 * (in + 1) * 0x1p-149;
     int finite = isfinite(norm);
     double floor = -INFINITY; /* the largest lower bound of an output */
     for (int64_t j = 0; j < valid && finite; ++j) {
-        const double s = screen[j], e = norm * bound[j], low = s - e - rounding * (fabs(s) + e);
+        const double s = screen[j], e = norm * bound[j] + tiny, low = s - e - rounding * (fabs(s) + e);
         finite = isfinite(s);
         if (low > floor) floor = low;
     }
     int64_t chosen = -1;
     float top = -INFINITY;
     for (int64_t j = 0; j < valid && finite; ++j) {
-        const double s = screen[j], e = norm * bound[j];
+        const double s = screen[j], e = norm * bound[j] + tiny;
         if (s + e + rounding * (fabs(s) + e) < floor) continue;
         float y = 0.0f;
         if (bf16) { /* element (b, k, i, h) is output 32b + 16h + i's weight of input k */
