@@ -40,7 +40,7 @@ from layerline.supervisor import Command, RestartPolicy, Supervisor
 SPLITS = ("measured", "weights")  # how `up` splits the layers without --layers (ClusterPlan.split)
 MEASURE_TIMEOUT_S = 300.0  # measuring a step's cost (a few seconds) never holds a start longer
 STEP_COSTS = "step-costs.json"  # in the cache directory: what a step costs, per model shape and machine
-STEP_COST_METHOD = 5  # step_cost.py's way of measuring, or the engine's (5: the head's screen); a new one measures anew
+STEP_COST_METHOD = 4  # step_cost.py's way of measuring, or the engine's (4: the layer stack); a new one measures anew
 
 
 @dataclass(frozen=True)

@@ -2,27 +2,29 @@
 
 A lone stream's step reads every weight once, and the head is the largest: SmolLM2's [49152, 576]
 is 113 MB of a float32 step's 538 MB (3.7 of 20 ms on 2 cores of an Intel Xeon, family 6 model
-207). A step whose every row is greedy (temperature 0, no repetition penalty, no log-probabilities,
-no draft) needs only the head's argmax. `HeadScreen` keeps an int8 copy of the head
-(quantize.quantize_int8: one code a weight, one scale an output; 28 MB for SmolLM2) and for each
-output j a bound c_j such that the head's output y_j = x . w_j and the screen's s_j = x . w'_j
-(w'_j the codes times the scale) differ by at most ||x|| c_j for any row x, both products' float32
-rounding included: c_j = ||w_j - w'_j|| + 2 g (||w_j|| + ||w'_j||) with g = n u / (1 - n u),
-n = inputs + 16 and u = 2^-24 (a sum of n products in any order errs by at most g times the sum of
-their magnitudes, at most ||x|| ||w_j|| by Cauchy-Schwarz; the screen's scaling adds one rounding).
-x times the codes (blocks.c's int8 product, in fma_blocks' layout) then rules out every output whose upper bound
-falls below another's lower bound; blocks.c computes the few left as the whole product computes
-them, to the bit, and the first largest of them is the whole product's argmax (`torch.argmax`'s
-answer: ties go to the first). In bfloat16, where the head rounds each output to bfloat16, the
-bounds widen by that rounding. Over 257 greedy steps of 8 prompts on SmolLM2 in float32, 4
-outputs were left at the median, 54 at most.
+207). A step whose every row is greedy (temperature 0, no repetition penalty, no log-probabilities;
+drafted tokens' checks too, `speculation.verify` drawing as `sample` does) needs only each row's
+argmax. `HeadScreen` keeps an int8 copy of the head (quantize.quantize_int8: one code a weight, one
+scale an output; 28 MB for SmolLM2) and for each output j a bound c_j such that the head's output
+y_j = x . w_j and the screen's s_j = x . w'_j (w'_j the codes times the scale) differ by at most
+||x|| c_j for any row x, both products' float32 rounding included: c_j = ||w_j - w'_j|| +
+2 g (||w_j|| + ||w'_j||), g = n u / (1 - n u), n = inputs + 16, u = 2^-24 (a sum of n products in
+any order errs by at most g times the sum of their magnitudes, at most ||x|| ||w_j|| by
+Cauchy-Schwarz; the screen's scaling adds one rounding; blocks.c adds an absolute slack for sums
+below float32's normal numbers). x times the codes (blocks.c's int8 product, the codes in the
+float32 blocks' order) then rules out every output whose upper bound falls below another's lower
+bound; blocks.c computes the few left as the whole product computes them, to the bit, and the
+first largest of them is the whole product's argmax (`torch.argmax`'s answer: ties go to the
+first). In bfloat16, where the head rounds each output to bfloat16, the bounds widen by that
+rounding. Over 257 greedy steps of 8 prompts on SmolLM2 in float32, 4 outputs were left at the
+median, 54 at most; past 512 left, or anything not finite, the whole head is read instead.
 
 It serves a head in fma_blocks' layout (Intel's CPUs without AMX; the only layout whose sums it
-reproduces) without a bias (layouts.keeps_head_screen);
-`LAYERLINE_GREEDY_SCREEN=off` turns it off. Its codes, scales and bounds are the model's buffers
-(`StageModel.head_screen`, counted in what a stage holds, and by `layerline plan`). What it returns
-is not the logits: the winner's logit at the winner and -inf elsewhere, which `sampler.greedy`
-reads as the whole row would read.
+reproduces), without a bias, on one rank (layouts.py makes it; `keeps_head_screen` says where),
+for up to MAX_ROWS rows a step; `LAYERLINE_GREEDY_SCREEN=off` turns it off. Its codes, scales and
+bounds are the model's buffers (`StageModel.head_screen`: counted in what a stage holds, and by
+`layerline plan`). What it returns is not the logits: each row's winning logit at its winner and
+-inf elsewhere, which `sampler.greedy` reads as it would read the whole row.
 
 Knows the head's layout and the bound; nothing of models, steps or the network.
 """
@@ -64,15 +66,16 @@ class HeadScreen(nn.Module):
     def __init__(self, blocked: torch.Tensor, vocab: int) -> None:
         super().__init__()
         dtype, fan_in = blocked.dtype, blocked.shape[1]
-        dense = _dense(blocked)  # [out, in] float32
-        codes, scales = quantize_int8(dense)
         kernel = block_kernel(dtype)
         if kernel is None:
             raise ValueError(f"the {dtype} block kernel does not serve on this CPU")
+        if not is_blocked(blocked) or not blocked.is_contiguous() or blocked.device.type != "cpu":
+            raise ValueError(f"weight {list(blocked.shape)} {dtype}: not a contiguous CPU block layout")
         self.blocked, self.vocab = blocked, vocab  # the head's weight: not a buffer of this module
-        self.register_buffer("codes", _blocked_codes(codes))  # [out / 32, in, 32], as float32's blocks
+        codes, scales, bounds = _made(blocked)
+        self.register_buffer("codes", codes)  # [out / 32, in, 32], as float32's blocks
         self.register_buffer("scales", scales)
-        self.register_buffer("bounds", _bounds(dense, codes, scales)[:vocab].contiguous())
+        self.register_buffer("bounds", bounds[:vocab].contiguous())
         self._linear, self._argmax = kernel.unchecked["blocks_i8_linear"], kernel.unchecked["blocks_screened_argmax"]
         self._bf16, self._fan_in = int(dtype == torch.bfloat16), fan_in
         self.max_rows = MAX_ROWS[dtype]
@@ -101,7 +104,7 @@ class HeadScreen(nn.Module):
         if x.dim() != 2 or x.shape[1] != self._fan_in or x.dtype != self.blocked.dtype:
             raise ValueError(f"rows of {self._fan_in} {self.blocked.dtype}, not {list(x.shape)} {x.dtype}")
         rows = x.shape[0]
-        if not 0 < rows <= self.max_rows:
+        if not 0 < rows <= min(self.max_rows, self._best.numel()):
             return None
         x = x.contiguous()
         screen = self.products(x.float() if self._bf16 else x)  # [R, out]
@@ -121,33 +124,34 @@ class HeadScreen(nn.Module):
         """Contiguous float32 rows x [R, in] times the codes, each output scaled: s [R, out]."""
         screen = torch.empty(x.shape[0], self.scales.shape[0])
         codes, scales, threads = self.codes.data_ptr(), self.scales.data_ptr(), torch.get_num_threads()
-        self._linear(x.data_ptr(), codes, scales, x.shape[0], screen.shape[1], self._fan_in, threads, screen.data_ptr())
+        if self._linear(
+            x.data_ptr(), codes, scales, x.shape[0], screen.shape[1], self._fan_in, threads, screen.data_ptr()
+        ):
+            raise RuntimeError("the int8 block product was not built for this CPU")
         return screen
 
 
-def _blocked_codes(codes: torch.Tensor) -> torch.Tensor:
-    """int8 [out, in] codes as blocks.c's int8 product reads them: [out / 32, in, 32], element
-    (b, k, j) output 32b + j's code of input k (fma_blocks.layout's float32 order, a byte each)."""
-    out, fan_in = codes.shape
-    return codes.reshape(out // BLOCK, BLOCK, fan_in).permute(0, 2, 1).contiguous()
-
-
-def _dense(blocked: torch.Tensor) -> torch.Tensor:
-    """The float32 [out, in] weight a block layout (fma_blocks.layout) holds."""
+def _made(blocked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The screen of a head in a block layout (fma_blocks.layout): its int8 codes as blocks.c's int8
+    product reads them, [out / 32, in, 32] with element (b, k, j) output 32b + j's code of input k
+    (the float32 blocks' order, a byte each); their bfloat16 scales [out] (quantize.quantize_int8);
+    each output's bound c_j (the module's doc), in float32 and raised by what float32's norms can
+    err (a sum of `in` positive squares, a square root, a subtraction and the terms' sum: a relative
+    (in + 2) u at most; raised by twice that). Made ROWS_AT_ONCE outputs at a time, so that making
+    it holds little beyond what it keeps."""
     blocks, fan_in = blocked.shape[0], blocked.shape[1]
     order = (0, 2, 3, 1) if blocked.dtype == torch.float32 else (0, 3, 2, 1)  # to (b, h, i, k)
-    return blocked.permute(*order).reshape(blocks * BLOCK, fan_in).float()
-
-
-def _bounds(dense: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """c_j of the module's doc for each output, in float64 then rounded up to float32."""
-    n = dense.shape[1] + 16
-    g = n * 2.0**-24 / (1 - n * 2.0**-24)
-    parts = []
-    for start in range(0, dense.shape[0], ROWS_AT_ONCE):
-        w = dense[start : start + ROWS_AT_ONCE].double()
-        screened = codes[start : start + ROWS_AT_ONCE].double() * scales[start : start + ROWS_AT_ONCE].double()[:, None]
-        parts.append((w - screened).norm(dim=1) + 2 * g * (w.norm(dim=1) + screened.norm(dim=1)))
-    bounds = torch.cat(parts)
-    rounded = bounds.float()
-    return torch.where(rounded.double() < bounds, torch.nextafter(rounded, torch.tensor(torch.inf)), rounded)
+    n = fan_in + 16
+    g, up = n * 2.0**-24 / (1 - n * 2.0**-24), 1 + 2 * (fan_in + 2) * 2.0**-24
+    codes = torch.empty(blocks, fan_in, BLOCK, dtype=torch.int8)
+    scales, bounds = torch.empty(blocks * BLOCK, dtype=torch.bfloat16), torch.empty(blocks * BLOCK)
+    step = ROWS_AT_ONCE // BLOCK
+    for b in range(0, blocks, step):
+        w = blocked[b : b + step].permute(*order).reshape(-1, fan_in).float()  # [rows, in]
+        part, part_scales = quantize_int8(w)
+        codes[b : b + step] = part.view(-1, BLOCK, fan_in).transpose(1, 2)
+        scales[b * BLOCK : (b + step) * BLOCK] = part_scales
+        screened = part.float() * part_scales.float()[:, None]  # exact: a 7-bit code times an 8-bit scale
+        error = (w - screened).norm(dim=1) + 2 * g * (w.norm(dim=1) + screened.norm(dim=1))
+        bounds[b * BLOCK : (b + step) * BLOCK] = error * up
+    return codes, scales, bounds

@@ -11,7 +11,7 @@ of the same weight that is faster on CPU (each class below says what it measured
 - then, where oneDNN serves the dtype (`can_pack`) and the weight layout is not `plain`,
   `pack_linears` wraps each of them in a `PackedLinear`, and the model gets the `DecodePath`
   (decode_path.py) that runs a decode batch's step over the packed weights without the modules,
-  and where the head is in fma_blocks' layout its int8 screen for greedy lone rows (head_screen.py);
+  and where the head is in fma_blocks' layout its int8 screen for a few greedy rows (head_screen.py);
 - each layout offers `row_weight(threads)`, how a single row multiplies it (a plain one on several
   threads: blocks of its output columns, `_row_blocks`; a packed one alone: the packed weight), and
   the model gets the `RowPath` (rows.py) that runs a step of one token over them without the modules.
@@ -351,8 +351,8 @@ def weight_copies(weight_layout: str, dtype: torch.dtype, device: torch.device |
 
 
 def keeps_head_screen(dtype: torch.dtype) -> bool:
-    """Whether a last stage of one rank keeps its `dtype` head's int8 screen here (head_screen.py: the head in
-    fma_blocks' layout; a vocabulary of whole blocks of 32, no bias): `layerline plan` counts its memory."""
+    """Whether a last stage of one rank keeps its `dtype` head's int8 screen here (head_screen.py: the
+    head in fma_blocks' layout), if its vocabulary is whole blocks of 32 and it has no bias: `layerline plan`."""
     return os.environ.get(head_screen.ENV, "auto") != "off" and can_pack(dtype, "cpu") and blocks_pack(dtype)
 
 

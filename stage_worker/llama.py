@@ -12,7 +12,8 @@ fused into one matmul each. Under tensor parallelism a module's sizes are this r
 all-reduce through the `TensorParallel` handed in.
 
 Knows nothing of checkpoints, of the CPU weight layouts that replace the linear layers after
-loading (layouts.py), of how tensors are cut (sharding.py), the network or sampling.
+loading (layouts.py), of how tensors are cut (sharding.py), the network or sampling (beyond
+`argmax_only`: the caller reads each row's argmax alone).
 """
 
 from __future__ import annotations
@@ -299,7 +300,7 @@ class StageModel(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(config.rope, config.head_dim), persistent=False)
         self.row_path: RowPath | None = None  # for a step of one token (see RowPath); layouts.py sets it
         self.decode_path: DecodePath | None = None  # for a decode batch (see DecodePath); layouts.py sets it
-        self.head_screen: nn.Module | None = None  # a greedy lone row's head (head_screen.py); layouts.py sets it
+        self.head_screen: nn.Module | None = None  # a few greedy rows' head (head_screen.py); layouts.py sets it
 
     @property
     def is_first(self) -> bool:
@@ -368,4 +369,6 @@ class StageModel(nn.Module):
     def screened(self, x: torch.Tensor, argmax_only: bool) -> torch.Tensor | None:
         """The head's answer for the final norm's rows x through its screen (head_screen.py), where
         the caller reads only each row's argmax and the screen takes these rows; else None."""
-        return self.head_screen(x) if argmax_only and self.head_screen is not None else None
+        if not argmax_only or self.head_screen is None or self.tp.size != 1:  # a rank alone would skip the gather
+            return None
+        return self.head_screen(x)

@@ -347,7 +347,7 @@ def calibrate(checkpoint: Path, *, port: int = 7580, log: Callable[[str], None] 
     log("copies of each weight matrix a stage keeps under the default --weight-layout: " + _copies_line(copies))
     screens = kept_screens()
     log(
-        "the LM head's int8 screen for greedy lone rows: "
+        "the LM head's int8 screen for a few greedy rows: "
         + ", ".join(f"{d} {'yes' if v else 'no'}" for d, v in screens.items())
     )
     path = measure_path(checkpoint, port=port, tokens=PATH_TOKENS, rounds=3, log=log)

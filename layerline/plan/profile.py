@@ -61,7 +61,7 @@ class MachineProfile:
     # stage keeps here under --weight-layout both (layouts.weight_copies); a dtype not named: 1
     weight_copies: dict[str, dict[str, int]]
     # dtype -> whether a last stage of one rank keeps the LM head's int8 screen here (its memory
-    # counted: stage_worker/head_screen.py's `serves`); a dtype not named: no
+    # counted: stage_worker/layouts.py's `keeps_head_screen`); a dtype not named: no
     head_screen: dict[str, bool]
     version: int = PROFILE_VERSION
 

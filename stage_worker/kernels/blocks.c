@@ -219,6 +219,7 @@ int layerline_blocks_bf16_linear(const uint16_t *restrict x, const uint16_t *res
     }
     return 0;
 }
+
 /* A bfloat16 as float32, and a float32 rounded to bfloat16 (to nearest even, as `narrow16`) and back. */
 static inline float bf16_float(uint16_t h) {
     const union { uint32_t u; float f; } v = {.u = (uint32_t)h << 16};
@@ -230,17 +231,22 @@ static inline float bf16_rounded(float f) {
     return r.f;
 }
 
+#define SCREEN_CANDIDATES 512 /* outputs the screen leaves at most: past them the whole product is quicker */
+
 /* Greedy decoding's LM head through a screen (head_screen.py): for one row x (float32, or bfloat16
  * where `bf16`, each output then rounded to it as `linear` rounds it) and W in this file's layout
  * without a bias, the first index below `valid` of the largest output y_j = x . w_j, given `screen`
  * [valid] (x times an int8 copy of W) and `bound` [valid], such that |y_j - screen_j| <= ||x||
- * bound_j before bfloat16's rounding: only the outputs whose upper bound reaches the largest lower
- * bound can be the largest, and only they are computed, as `tile` computes them (one float32 sum
- * over the inputs in order), so to the bit the whole product's. The winner's value goes to *best.
- * -1 where x or the screen is not finite, or no buffer for x could be had: then the caller takes
- * the whole product. */
+ * bound_j before bfloat16's rounding (and the absolute slack `tiny` below float32's normal
+ * numbers): only the outputs whose upper bound reaches the largest lower bound can be the largest,
+ * and only they are computed, as `tile` computes them (one float32 sum over the inputs in order,
+ * plus a zero bias), so to the bit the whole product's. The winner's value goes to *best. -1, for
+ * the caller to take the whole product, where x, the screen or a computed output is not finite,
+ * where more than SCREEN_CANDIDATES outputs are left, where this thread flushes subnormal numbers to
+ * zero (the slack assumes it does not), or where no buffer for x could be had. */
 int64_t layerline_blocks_screened_argmax(const void *x, const void *w, const float *screen, const float *bound,
                                          int64_t valid, int64_t in, int bf16, float *best) {
+    if (_mm_getcsr() & 0x8040) return -1; /* FTZ or DAZ */
     float *xs = malloc((size_t)in * sizeof(float));
     if (!xs) return -1;
     double norm = 0.0;
@@ -252,31 +258,33 @@ int64_t layerline_blocks_screened_argmax(const void *x, const void *w, const flo
     /* bfloat16's unit roundoff: |round(y) - y| <= it |y|, or its least subnormal where y is one; and
      * what the two products' float32 sums can lose below its normal numbers, which the bound leaves out */
     const double rounding = bf16 ? 1.0 / 256 : 0.0, tiny = (bf16 ? 0x1p-133 : 0.0) + 2.0 * (in + 1) * 0x1p-149;
-    int finite = isfinite(norm);
-    double floor = -INFINITY; /* the largest lower bound of an output */
-    for (int64_t j = 0; j < valid && finite; ++j) {
+    int ok = isfinite(norm);
+    double least = -INFINITY; /* the largest lower bound of an output */
+    for (int64_t j = 0; j < valid && ok; ++j) {
         const double s = screen[j], e = norm * bound[j] + tiny, low = s - e - rounding * (fabs(s) + e);
-        finite = isfinite(s);
-        if (low > floor) floor = low;
+        ok = isfinite(s);
+        if (low > least) least = low;
     }
-    int64_t chosen = -1;
+    int64_t chosen = -1, left = 0;
     float top = -INFINITY;
-    for (int64_t j = 0; j < valid && finite; ++j) {
+    for (int64_t j = 0; j < valid && ok; ++j) {
         const double s = screen[j], e = norm * bound[j] + tiny;
-        if (s + e + rounding * (fabs(s) + e) < floor) continue;
+        if (s + e + rounding * (fabs(s) + e) < least) continue;
         float y = 0.0f;
         if (bf16) { /* element (b, k, i, h) is output 32b + 16h + i's weight of input k */
             const uint16_t *wj = (const uint16_t *)w + j / 32 * in * 32 + j % 16 * 2 + j % 32 / 16;
             for (int64_t k = 0; k < in; ++k) y = fmaf(xs[k], bf16_float(wj[k * 32]), y);
-            y = bf16_rounded(y);
+            y = bf16_rounded(y + 0.0f);
         } else { /* element (b, k, h, i) is output 32b + 16h + i's weight of input k */
             const float *wj = (const float *)w + j / 32 * in * 32 + j % 32;
             for (int64_t k = 0; k < in; ++k) y = fmaf(xs[k], wj[k * 32], y);
+            y = y + 0.0f;
         }
+        ok = isfinite(y) && ++left <= SCREEN_CANDIDATES;
         if (chosen < 0 || y > top) chosen = j, top = y;
     }
     free(xs);
-    if (!finite) return -1;
+    if (!ok) return -1;
     *best = top;
     return chosen;
 }
