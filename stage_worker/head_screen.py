@@ -45,10 +45,11 @@ log = logging.getLogger(__name__)
 ENV = "LAYERLINE_GREEDY_SCREEN"  # auto (the default): screen where it serves; off: never
 ROWS_AT_ONCE = 4096  # outputs whose bounds are computed at once (in float64) when the screen is made
 # The most rows a step screens at once, by the head's dtype: more, and the whole head is read. The
-# head alone, SmolLM2's, cold (1.5 GB read between calls), 2 threads, Intel Xeon family 6 model 207,
-# ms, whole against screened: float32 1 row 3.64 / 1.54, 2 rows 3.66 / 1.71, 4 rows 3.69 / 2.23,
-# 8 rows 3.86 / 3.21, 12 rows 4.31 / 4.82; bfloat16 1 row 1.99 / 1.53, 2 rows 2.02 / 2.14.
-MAX_ROWS = {torch.float32: 8, torch.bfloat16: 1}
+# head alone, SmolLM2's, cold (1.5 GB read between calls), random rows, 2 threads, Intel Xeon family
+# 6 model 207, ms, whole against screened: float32 1 row 4.06 / 1.56, 4 rows 4.99 / 2.29, 8 rows
+# 4.44 / 2.81, 12 rows 4.64 / 3.67, 16 rows 5.72 / 5.01; bfloat16 1 row 1.92 / 1.44, 2 rows 1.96 /
+# 1.59, 4 rows 2.68 / 2.21, 6 rows 2.46 / 2.45, 8 rows 2.58 / 3.00.
+MAX_ROWS = {torch.float32: 12, torch.bfloat16: 4}
 
 
 def screen_bytes(vocab: int, hidden: int) -> int:
