@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from layerline.shared import cpu as shared_cpu
-from layerline.stage_worker import native, row_kernel
+from layerline.stage_worker import fma_blocks, native, row_kernel, tiles
 from layerline.stage_worker.llama import StageModel
 
 from .pipeline import LocalPipeline
@@ -31,6 +31,20 @@ def chosen(
     yield kernel
     chooser.cache_clear()  # type: ignore[attr-defined]
     torch.set_num_threads(threads)
+
+
+def block_dtype(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[torch.dtype]:
+    """A fixture's body: its param's dtype where the block kernel of that dtype builds here and
+    packs its weights (not bfloat16 where the AMX tiles take it), chosen for this test only."""
+
+    def choose():
+        return fma_blocks.block_kernel(request.param)
+
+    choose.cache_clear = fma_blocks.block_kernel.cache_clear  # type: ignore[attr-defined]
+    for _ in chosen(monkeypatch, choose, "no block kernel with AVX-512 here"):
+        if not tiles.blocks_pack(request.param):
+            pytest.skip(f"the AMX tiles take {request.param} here")
+        yield request.param
 
 
 CPUINFO = {  # /proc/cpuinfo of one CPU of each vendor the rule tells apart

@@ -10,14 +10,14 @@ import torch
 
 from layerline.shared.model_config import LayerRange
 from layerline.shared.sampling import SamplingParams
-from layerline.stage_worker import fma_blocks, head_screen, tiles
+from layerline.stage_worker import fma_blocks, head_screen
 from layerline.stage_worker.engine import SequenceStep, StageEngine
 from layerline.stage_worker.head_screen import HeadScreen
 from layerline.stage_worker.kv_cache import CacheShape, PagedKVCache
 from layerline.stage_worker.sampler import reads_argmax
 from layerline.stage_worker.weights import load_stage
 
-from .row_kernels import chosen
+from .row_kernels import block_dtype
 from .tiny_models import make_tiny_checkpoint
 
 pytestmark = pytest.mark.timeout(120)
@@ -26,15 +26,22 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def dtype(request, monkeypatch):
     """Each dtype whose block kernel builds here and packs its weights, for this test only."""
+    yield from block_dtype(request, monkeypatch)
 
-    def choose():
-        return fma_blocks.block_kernel(request.param)
 
-    choose.cache_clear = fma_blocks.block_kernel.cache_clear  # type: ignore[attr-defined]
-    for _ in chosen(monkeypatch, choose, "no block kernel with AVX-512 here"):
-        if not tiles.blocks_pack(request.param):
-            pytest.skip(f"the AMX tiles take {request.param} here")
-        yield request.param
+@pytest.fixture
+def screened_rows(monkeypatch) -> list[int]:
+    """The rows of each call the screen answered (HeadScreen.forward not None), for this test."""
+    calls: list[int] = []
+    screened = HeadScreen.forward
+
+    def counted(self, x):
+        answer = screened(self, x)
+        calls.extend([x.shape[0]] if answer is not None else [])
+        return answer
+
+    monkeypatch.setattr(HeadScreen, "forward", counted)
+    return calls
 
 
 def _head(dtype: torch.dtype, out: int = 512, fan_in: int = 96, seed: int = 0) -> torch.Tensor:
@@ -132,20 +139,12 @@ def _decode(engine: StageEngine, prompt: list[int], steps: int, sampling: Sampli
     return draws
 
 
-def test_a_stages_greedy_steps_take_the_screen_and_the_wholes_tokens(tmp_path, monkeypatch, dtype):
+def test_a_stages_greedy_steps_take_the_screen_and_the_wholes_tokens(tmp_path, monkeypatch, dtype, screened_rows):
     """A lone greedy sequence's decode steps go through the screen, and give the tokens and the
     log-probabilities of the stage without it; a sequence that asks for log-probabilities does not
     take it; LAYERLINE_GREEDY_SCREEN=off makes none."""
     make_tiny_checkpoint("smollm2", tmp_path, num_layers=2, vocab_size=256, hidden_size=96, intermediate_size=128)
-    calls = []
-    screened = HeadScreen.forward
-
-    def counted(self, x):
-        answer = screened(self, x)
-        calls.extend([x.shape[0]] if answer is not None else [])
-        return answer
-
-    monkeypatch.setattr(HeadScreen, "forward", counted)
+    calls = screened_rows
     engine = _engine(tmp_path, dtype)
     assert isinstance(engine.model.head_screen, HeadScreen)
     greedy = [d.token_id for d in _decode(engine, [1, 17, 42, 99], 12, None)]
@@ -159,19 +158,11 @@ def test_a_stages_greedy_steps_take_the_screen_and_the_wholes_tokens(tmp_path, m
     assert [d.token_id for d in _decode(whole, [1, 17, 42, 99], 12, None)] == greedy
 
 
-def test_a_decode_batch_and_a_verify_step_take_it_for_their_few_greedy_rows(tmp_path, monkeypatch, dtype):
+def test_a_decode_batch_and_a_verify_step_take_it_for_few_greedy_rows(tmp_path, monkeypatch, dtype, screened_rows):
     """Three sequences decoding together, and one verifying three drafted tokens (four rows), read
     the head through the screen, with the tokens of the whole head."""
     make_tiny_checkpoint("smollm2", tmp_path, num_layers=2, vocab_size=256, hidden_size=96, intermediate_size=128)
-    calls = []
-    screened = HeadScreen.forward
-
-    def counted(self, x):
-        answer = screened(self, x)
-        calls.extend([x.shape[0]] if answer is not None else [])
-        return answer
-
-    monkeypatch.setattr(HeadScreen, "forward", counted)
+    calls = screened_rows
     prompts = {"a": [1, 17, 42, 99], "b": [5, 6], "c": [9, 9, 9]}
 
     def run(engine: StageEngine) -> list[list[int]]:

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from layerline.shared.model_config import LayerRange
-from layerline.stage_worker import decode_path, fma_blocks, layer_stack, tiles
+from layerline.stage_worker import decode_path, layer_stack
 from layerline.stage_worker.weights import load_stage
 
 from .pipeline import cache_for
-from .row_kernels import chosen
+from .row_kernels import block_dtype
 from .tiny_models import make_tiny_checkpoint
 
 pytestmark = pytest.mark.timeout(180)
@@ -25,17 +25,8 @@ PROMPTS = [[1, 17, 42, 99, 3, 5], [1, 7, 7, 200], [9, 4]] + [[5 + i, 11] for i i
 
 @pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def dtype(request, monkeypatch):
-    """Each dtype whose block kernel builds here and packs its weights (not bfloat16 where the AMX
-    tiles take it), for this test only."""
-
-    def choose():
-        return fma_blocks.block_kernel(request.param)
-
-    choose.cache_clear = fma_blocks.block_kernel.cache_clear  # type: ignore[attr-defined]
-    for _ in chosen(monkeypatch, choose, "no block kernel with AVX-512 here"):
-        if not tiles.blocks_pack(request.param):
-            pytest.skip(f"the AMX tiles take {request.param} here")
-        yield request.param
+    """Each dtype whose block kernel builds here and packs its weights, for this test only."""
+    yield from block_dtype(request, monkeypatch)
 
 
 def _stages(path, split: list[LayerRange], dtype: torch.dtype, *, stack: bool):
