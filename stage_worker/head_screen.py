@@ -43,7 +43,7 @@ from .quantize import quantize_int8
 log = logging.getLogger(__name__)
 
 ENV = "LAYERLINE_GREEDY_SCREEN"  # auto (the default): screen where it serves; off: never
-ROWS_AT_ONCE = 4096  # outputs whose bounds are computed at once (in float64) when the screen is made
+ROWS_AT_ONCE = 4096  # outputs whose codes and bounds are made at once when the screen is made (`_made`)
 # The most rows a step screens at once, by the head's dtype: more, and the whole head is read. The
 # head alone, SmolLM2's, cold (1.5 GB read between calls), random rows, 2 threads, Intel Xeon family
 # 6 model 207, ms, whole against screened: float32 1 row 4.06 / 1.56, 4 rows 4.99 / 2.29, 8 rows
@@ -60,7 +60,7 @@ def screen_bytes(vocab: int, hidden: int) -> int:
 class HeadScreen(nn.Module):
     """The argmax of x W^T for each of a few rows x, W a head in fma_blocks' layout, read through its int8 codes."""
 
-    codes: torch.Tensor  # [out / 32, in, 32] int8 (`_blocked_codes`)
+    codes: torch.Tensor  # [out / 32, in, 32] int8 (`_made`)
     scales: torch.Tensor  # [out] bfloat16
     bounds: torch.Tensor  # [vocab] float32: c_j of the module's doc
 
@@ -101,7 +101,8 @@ class HeadScreen(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [R, in] (the final norm's rows, the head's dtype) -> [R, vocab] float32: at each row's
         argmax of the head its logit, -inf elsewhere; None for more than `max_rows` rows (MAX_ROWS),
-        or where a row or its screen is not finite."""
+        and where blocks.c leaves a row to the whole head (not finite, too many outputs left,
+        subnormals flushed)."""
         if x.dim() != 2 or x.shape[1] != self._fan_in or x.dtype != self.blocked.dtype:
             raise ValueError(f"rows of {self._fan_in} {self.blocked.dtype}, not {list(x.shape)} {x.dtype}")
         rows = x.shape[0]
