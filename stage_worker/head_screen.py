@@ -52,9 +52,9 @@ ROWS_AT_ONCE = 4096  # outputs whose codes and bounds are made at once when the 
 MAX_ROWS = {torch.float32: 12, torch.bfloat16: 4}
 
 
-def screen_bytes(vocab: int, hidden: int) -> int:
-    """What a screen of a [vocab, hidden] head holds: codes, bfloat16 scales, float32 bounds."""
-    return vocab * hidden + vocab * 2 + vocab * 4
+def enabled() -> bool:
+    """Whether LAYERLINE_GREEDY_SCREEN lets a stage make a screen (its default `auto` does)."""
+    return os.environ.get(ENV, "auto") != "off"
 
 
 class HeadScreen(nn.Module):
@@ -86,7 +86,7 @@ class HeadScreen(nn.Module):
     def of(cls, head: nn.Module | None, vocab: int) -> HeadScreen | None:
         """The screen of a last stage's `head` (a layouts.PackedLinear), or None where it does not
         serve (see the module's doc), said in the log when it does."""
-        if os.environ.get(ENV, "auto") == "off" or head is None or getattr(head, "bias", None) is not None:
+        if not enabled() or head is None or getattr(head, "bias", None) is not None:
             return None
         blocked = getattr(head, "weight_packed", None)
         if not isinstance(blocked, torch.Tensor) or not is_blocked(blocked):
@@ -94,7 +94,7 @@ class HeadScreen(nn.Module):
         if not 0 < vocab <= blocked.shape[0] * BLOCK or block_kernel(blocked.dtype) is None:
             return None
         screen = cls(blocked, vocab)
-        mb = screen_bytes(vocab, blocked.shape[1]) / 1e6
+        mb = sum(b.numel() * b.element_size() for b in screen.buffers()) / 1e6
         log.info("greedy steps read the LM head through its int8 screen (head_screen.py): %.1f MB more", mb)
         return screen
 

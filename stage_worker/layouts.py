@@ -27,7 +27,6 @@ Knows the model's module names, and nothing of checkpoints, of how tensors are c
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
@@ -50,7 +49,8 @@ HEAD_BLOCKS = (8, 4, 2, 1)  # the LM head's blocks: the first of these that divi
 
 def _by_weight_rows(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x W^T + b computed as (W x^T)^T: `weight` is [out, in] (any strides); contiguous result."""
-    return (weight @ x.t()).t() + bias if bias is not None else (weight @ x.t()).t().contiguous()
+    y = (weight @ x.t()).t()
+    return y + bias if bias is not None else y.contiguous()
 
 
 def _row_blocks(weight: torch.Tensor, threads: int, *, transposed: bool) -> torch.Tensor:
@@ -353,7 +353,7 @@ def weight_copies(weight_layout: str, dtype: torch.dtype, device: torch.device |
 def keeps_head_screen(dtype: torch.dtype) -> bool:
     """Whether a last stage of one rank keeps its `dtype` head's int8 screen here (head_screen.py: the
     head in fma_blocks' layout), if its vocabulary is whole blocks of 32 and it has no bias: `layerline plan`."""
-    return os.environ.get(head_screen.ENV, "auto") != "off" and can_pack(dtype, "cpu") and blocks_pack(dtype)
+    return head_screen.enabled() and can_pack(dtype, "cpu") and blocks_pack(dtype)
 
 
 def pack_linears(model: nn.Module, *, keep_plain: bool, keep_rows: bool = False) -> None:

@@ -173,7 +173,8 @@ def memory_per_rank(
 
 def screen_bytes_per_rank(config: ModelConfig, stage: Placement) -> int:
     """The LM head's int8 screen a last stage of one rank keeps where its head is a whole number of
-    blocks of 32 outputs (head_screen.screen_bytes: a code a weight, a scale and a bound an output)."""
+    blocks of 32 outputs (stage_worker/head_screen.py: a code a weight, a bfloat16 scale and a float32
+    bound an output; tests/test_plan_memory.py checks it against what a stage holds)."""
     if not stage.last or stage.tp != 1 or config.vocab_size % 32:
         return 0
     return config.vocab_size * (config.hidden_size + 2 + 4)
