@@ -84,6 +84,8 @@ class WorkerLoad:
     kv_blocks_cached: int = 0  # held for the chain's cache of finished sequences (the coordinator's count)
     steps_computed: int = 0  # steps its layers ran since it started (as of its last heartbeat)
     compute_seconds: float = 0.0  # their compute time in total (not receiving or sending them)
+    steps_run_ahead: int = 0  # steps a first stage computed ahead as guesses that the next step took
+    steps_run_ahead_dropped: int = 0  # and those it dropped, a different step coming instead
 
 
 @dataclass(frozen=True)

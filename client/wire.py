@@ -164,6 +164,8 @@ def cluster_from(response: coordinator_pb2.ClusterStatusResponse) -> ClusterStat
                     entry.kv_blocks_cached,
                     w.steps_computed,
                     w.compute_seconds,
+                    w.steps_run_ahead,
+                    w.steps_run_ahead_dropped,
                 ),
                 seconds_since_heartbeat=entry.seconds_since_heartbeat,
                 weights_bytes=w.weights_bytes,

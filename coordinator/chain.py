@@ -92,6 +92,7 @@ class ChainClient:
             route=self.addresses[1:],
             release_sequence_ids=step.release,
             alone=step.alone,
+            run_ahead=step.run_ahead,
             chain=self.addresses,
             route_tag=self._route_tag,
         )

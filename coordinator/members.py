@@ -110,6 +110,8 @@ def worker_of(info: common_pb2.WorkerInfo) -> Worker:
         state=_enum_name(common_pb2.WorkerState, info.state, "worker.state").removeprefix("WORKER_STATE_"),
         steps_computed=info.steps_computed,
         compute_seconds=info.compute_seconds,
+        steps_run_ahead=info.steps_run_ahead,
+        steps_run_ahead_dropped=info.steps_run_ahead_dropped,
         orphan_ttl=_seconds(info.orphan_ttl_seconds, "worker.orphan_ttl_seconds"),
     )
 
@@ -138,6 +140,8 @@ def worker_info(w: Worker) -> common_pb2.WorkerInfo:
         weights_bytes=w.weights_bytes,
         steps_computed=w.steps_computed,
         compute_seconds=w.compute_seconds,
+        steps_run_ahead=w.steps_run_ahead,
+        steps_run_ahead_dropped=w.steps_run_ahead_dropped,
         orphan_ttl_seconds=w.orphan_ttl,
         state=state if state in common_pb2.WorkerState.keys() else "WORKER_STATE_NOT_SERVING",
     )

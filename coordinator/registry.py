@@ -44,6 +44,8 @@ class Worker:
     weights_bytes: int = 0  # weights one rank holds
     steps_computed: int = 0  # since it started, and their compute time (as of its last heartbeat)
     compute_seconds: float = 0.0
+    steps_run_ahead: int = 0  # steps computed ahead as guesses that were taken, and those dropped
+    steps_run_ahead_dropped: int = 0
     orphan_ttl: float = 0.0  # it frees the KV of a sequence no step touched for this long (seconds); 0: never
 
 

@@ -189,7 +189,7 @@ class ChainScheduler:
         if self._stopped or self.in_flight >= self.depth or (step := self._plan()) is None:
             return None
         if self.in_flight == 0:
-            step = replace(step, alone=True)
+            step = replace(step, alone=True, run_ahead=self._continues(step))
         self.in_flight += 1
         for s in step.slices:
             s.seq.in_flight = True
@@ -198,6 +198,19 @@ class ChainScheduler:
                 self.cached.used(s.prefix_from)
                 self.on_shared_prefix(s.start)
         return step
+
+    def _continues(self, step: PlannedStep) -> bool:
+        """Whether the step after `step` will be the same sequences, each fed the token it draws now:
+        every live sequence is in it, samples with no penalty, drafts nothing and may go on."""
+        if len(step.slices) != len(self.sequences) or self.pending_releases:
+            return False
+        for s in step.slices:
+            seq = s.seq
+            if not s.sample or s.draft or seq.speculate or seq.sampling.repetition_penalty != 1.0:
+                return False
+            if seq.max_generated is not None and len(seq.generated) + 1 >= seq.max_generated:
+                return False
+        return True
 
     def _plan(self) -> PlannedStep | None:
         ready = sorted((s for s in self.sequences.values() if not s.in_flight and not s.done), key=lambda s: s.arrival)

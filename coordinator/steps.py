@@ -83,6 +83,7 @@ class PlannedStep:
     slices: tuple[Slice, ...]
     release: tuple[str, ...] = ()  # KV (by name) each stage frees before this step's work
     alone: bool = False  # no other step of the chain is in flight: a large one may take more cores
+    run_ahead: bool = False  # unless a sequence ends, the next step continues these, one drawn token each
 
 
 @dataclass(frozen=True)

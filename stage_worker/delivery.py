@@ -10,7 +10,8 @@ Owns
   answered them);
 - the last stage's answer: the sampled tokens go on the coordinator's Results stream the header
   names, when that subscriber is open and not too far behind, with only an acknowledgement up
-  the chain; else the whole result goes up the chain;
+  the chain (with the tokens drawn when the header says `run_ahead`, for the first stage to start
+  the next step with: `on_drawn`); else the whole result goes up the chain;
 - `Subscribers`: the open Results streams, by subscriber name.
 
 Knows nothing of how frames became steps, of where a step computes, or of gRPC status codes
@@ -38,6 +39,7 @@ FRAME_OVERHEAD_BYTES = 32  # field tags and lengths around a header and its hidd
 MAX_UNSENT_RESULTS = 256  # direct results waiting on one Results stream; beyond, they go up the chain
 
 Answer = Callable[[stage_pb2.StepResult], None]
+Drawn = Callable[[ReceivedStep, StepOutput, dict[str, int]], None]
 
 
 class Subscribers:
@@ -56,14 +58,15 @@ class Subscribers:
         if self._queues.get(name) is queue:
             del self._queues[name]
 
-    def reply(self, reply: stage_pb2.DirectReply, result: stage_pb2.StepResult) -> bool:
-        """Queue a step's result for the subscriber its header names; False if that cannot be."""
+    def takes(self, reply: stage_pb2.DirectReply) -> bool:
+        """Whether the subscriber a header names is open and not too far behind."""
         queue = self._queues.get(reply.subscriber)
-        if queue is None or queue.qsize() >= MAX_UNSENT_RESULTS:
-            return False
+        return queue is not None and queue.qsize() < MAX_UNSENT_RESULTS
+
+    def reply(self, reply: stage_pb2.DirectReply, result: stage_pb2.StepResult) -> None:
+        """Queue a step's result for the subscriber its header names (which `takes` it)."""
         result.step_id = reply.step_id
-        queue.put_nowait(result)
-        return True
+        self._queues[reply.subscriber].put_nowait(result)
 
 
 class Delivery:
@@ -84,6 +87,7 @@ class Delivery:
         self.max_message_bytes = max_message_bytes  # the gRPC message limit of the next hop
         self.max_chunk_bytes = max_chunk_bytes  # data bytes per hidden-state chunk sent
         self.subscribers = Subscribers()
+        self.on_drawn: Drawn | None = None  # told the tokens an acknowledgement carries (`compute.drawn`)
 
     async def deliver(self, step: ReceivedStep, out: StepOutput, *, answer: Answer) -> None:
         """Answer the step (last stage), or send it on; `answer` gets its result, now or later."""
@@ -91,8 +95,18 @@ class Delivery:
         local = {e.sequence_id: e for e in out.errors}
         if self.is_last:
             result = _merge(step.header.step_id, order, local, _draw_results(step, out))
-            if step.header.HasField("reply") and self.subscribers.reply(step.header.reply, result):
-                answer(stage_pb2.StepResult(step_id=step.header.step_id, replied=True))
+            if step.header.HasField("reply") and self.subscribers.takes(step.header.reply):
+                ack = stage_pb2.StepResult(step_id=step.header.step_id, replied=True)
+                if step.header.run_ahead:  # the first stage starts the next step with them: they go first
+                    ack.sequences.extend(
+                        stage_pb2.SequenceResult(sequence_id=r.sequence_id, sampled_token_id=r.sampled_token_id)
+                        for r in result.sequences
+                        if r.HasField("sampled_token_id")
+                    )
+                    answer(ack)
+                self.subscribers.reply(step.header.reply, result)
+                if not step.header.run_ahead:
+                    answer(ack)
             else:
                 answer(result)
             return
@@ -110,6 +124,8 @@ class Delivery:
         )
 
         def merged(result: stage_pb2.StepResult) -> None:
+            if result.replied and result.sequences and self.on_drawn is not None:
+                self.on_drawn(step, out, {r.sequence_id: r.sampled_token_id for r in result.sequences})
             if result.replied or (result.HasField("error") and result.error.code):
                 answer(result)
                 return
@@ -148,6 +164,7 @@ def _forwarded_header(
         route=header.route[1:],
         release_sequence_ids=header.release_sequence_ids,
         alone=header.alone,
+        run_ahead=header.run_ahead,
         chain=header.chain,
         route_tag=header.route_tag,
     )

@@ -118,15 +118,18 @@ class StageEngine:
             self._touched.pop(sequence_id, None)
             return self.cache.release(sequence_id)
 
+    def rewind(self, sequence_id: str, length: int) -> None:
+        """Drop a held sequence's KV past its first `length` tokens (a guess that was not asked for)."""
+        with self._lock:
+            if sequence_id in self.cache and self.cache.length(sequence_id) > length:
+                self.cache.truncate(sequence_id, length)
+
     def untouched(self, seconds: float) -> list[str]:
         """The held sequences no step has touched for longer than `seconds` (never a probe's scratch one)."""
         with self._lock:
             now = self.clock()
-            return [
-                sid
-                for sid in self.cache.sequences()
-                if not sid.startswith("\x00") and now - self._touched[sid] > seconds
-            ]
+            held = self.cache.sequences()
+            return [sid for sid in held if not sid.startswith("\x00") and now - self._touched[sid] > seconds]
 
     def probe(self) -> None:
         """Readiness: a real one-token forward through this stage on scratch KV, then released."""
@@ -138,12 +141,7 @@ class StageEngine:
             raise out.errors[0].error
 
     def run(
-        self,
-        seqs: Sequence[SequenceStep],
-        hidden: torch.Tensor | None = None,
-        *,
-        alone: bool = True,
-        chain: str = "",
+        self, seqs: Sequence[SequenceStep], hidden: torch.Tensor | None = None, *, alone: bool = True, chain: str = ""
     ) -> StepOutput:
         """Run one micro-batch. `hidden` is [sum of tokens, hidden_size] on later stages.
 

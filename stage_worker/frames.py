@@ -66,6 +66,8 @@ class ReceivedStep:
     seqs: list[SequenceStep]
     times: StepClock  # its telemetry hooks (doing nothing when telemetry is off)
     hidden: torch.Tensor | None = None  # [sum of tokens, hidden_size]; None on the first stage
+    chain: str = ""  # the route it came by, once checked (`routing`)
+    since: int = 0  # tasks the compute thread had been handed when it was computed (`compute`)
 
 
 @dataclass(frozen=True)

@@ -151,6 +151,7 @@ class StageWorker:
 
     def info(self) -> common_pb2.WorkerInfo:
         engine = self.engine
+        guesses = self.servicer.compute.guesses if self.servicer else {"used": 0, "dropped": 0}
         return common_pb2.WorkerInfo(
             address=self.address,
             host=socket.gethostname(),
@@ -174,6 +175,8 @@ class StageWorker:
             steps_computed=engine.steps_computed if engine else 0,
             compute_seconds=engine.compute_seconds if engine else 0.0,
             orphan_ttl_seconds=self.settings.orphan_ttl,
+            steps_run_ahead=guesses["used"],
+            steps_run_ahead_dropped=guesses["dropped"],
         )
 
     async def serve(self, *, stop: asyncio.Event | None = None) -> None:

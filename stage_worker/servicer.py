@@ -86,6 +86,7 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
             max_message_bytes=limits.max_message_bytes,
             max_chunk_bytes=limits.max_chunk_bytes,
         )
+        self.delivery.on_drawn = self.compute.drawn
         self.parts = StageParts(
             rules=self.rules,
             codec=limits.codec,

@@ -308,16 +308,18 @@ def _run_status(args: argparse.Namespace) -> int:
         )
     print(
         f"{'address':22} {'layers':>9} {'replica':>7} {'tp':>3} {'state':12} {'pid':>7} {'kv free':>13} "
-        f"{'cached':>7} {'steps':>8} {'ms/step':>8}"
+        f"{'cached':>7} {'steps':>8} {'ms/step':>8} {'ahead':>13}"
     )
     for w in status.workers:
         layers = f"{w.layers[0]}:{w.layers[1]}"
         replica = "-" if w.replica is None else str(w.replica)
         kv = f"{w.load.kv_blocks_free}/{w.load.kv_blocks_total}"
         per_step = f"{1000 * w.load.compute_seconds / w.load.steps_computed:.1f}" if w.load.steps_computed else "-"
+        guessed = w.load.steps_run_ahead + w.load.steps_run_ahead_dropped
+        ahead = f"{w.load.steps_run_ahead}/{guessed}" if w.layers[0] == 0 else "-"
         print(
             f"{w.address:22} {layers:>9} {replica:>7} {w.tp:>3} {w.state:12} {w.pid:>7} {kv:>13} "
-            f"{w.load.kv_blocks_cached:>7} {w.load.steps_computed:>8} {per_step:>8}"
+            f"{w.load.kv_blocks_cached:>7} {w.load.steps_computed:>8} {per_step:>8} {ahead:>13}"
         )
     return 0
 

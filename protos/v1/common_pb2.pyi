@@ -62,7 +62,7 @@ class Status(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("address", "host", "pid", "instance_id", "model_id", "model_name", "layer_start", "layer_end", "num_layers", "dtype", "device", "tp_size", "kv_blocks_total", "kv_blocks_free", "kv_block_size", "in_flight_steps", "active_sequences", "state", "weights_bytes", "steps_computed", "compute_seconds", "orphan_ttl_seconds")
+    __slots__ = ("address", "host", "pid", "instance_id", "model_id", "model_name", "layer_start", "layer_end", "num_layers", "dtype", "device", "tp_size", "kv_blocks_total", "kv_blocks_free", "kv_block_size", "in_flight_steps", "active_sequences", "state", "weights_bytes", "steps_computed", "compute_seconds", "orphan_ttl_seconds", "steps_run_ahead", "steps_run_ahead_dropped")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,8 @@ class WorkerInfo(_message.Message):
     STEPS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ORPHAN_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_RUN_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    STEPS_RUN_AHEAD_DROPPED_FIELD_NUMBER: _ClassVar[int]
     address: str
     host: str
     pid: int
@@ -107,4 +109,6 @@ class WorkerInfo(_message.Message):
     steps_computed: int
     compute_seconds: float
     orphan_ttl_seconds: float
-    def __init__(self, address: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., instance_id: _Optional[str] = ..., model_id: _Optional[str] = ..., model_name: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., device: _Optional[str] = ..., tp_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., in_flight_steps: _Optional[int] = ..., active_sequences: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., weights_bytes: _Optional[int] = ..., steps_computed: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., orphan_ttl_seconds: _Optional[float] = ...) -> None: ...
+    steps_run_ahead: int
+    steps_run_ahead_dropped: int
+    def __init__(self, address: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., instance_id: _Optional[str] = ..., model_id: _Optional[str] = ..., model_name: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., device: _Optional[str] = ..., tp_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., in_flight_steps: _Optional[int] = ..., active_sequences: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., weights_bytes: _Optional[int] = ..., steps_computed: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., orphan_ttl_seconds: _Optional[float] = ..., steps_run_ahead: _Optional[int] = ..., steps_run_ahead_dropped: _Optional[int] = ...) -> None: ...

@@ -26,7 +26,7 @@ from layerline.protos.v1 import common_pb2 as layerline_dot_protos_dot_v1_dot_co
 from layerline.protos.v1 import tensor_pb2 as layerline_dot_protos_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1flayerline/protos/v1/stage.proto\x12\x0clayerline.v1\x1a layerline/protos/v1/common.proto\x1a layerline/protos/v1/tensor.proto\"s\n\tStepFrame\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.layerline.v1.StepHeaderH\x00\x12\x31\n\x0chidden_chunk\x18\x02 \x01(\x0b\x32\x19.layerline.v1.TensorChunkH\x00\x42\x07\n\x05\x66rame\"\x92\x02\n\nStepHeader\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12.\n\tsequences\x18\x03 \x03(\x0b\x32\x1b.layerline.v1.SequenceInput\x12\r\n\x05route\x18\x04 \x03(\t\x12\x1c\n\x14release_sequence_ids\x18\x05 \x03(\t\x12)\n\x06hidden\x18\x06 \x01(\x0b\x32\x19.layerline.v1.TensorChunk\x12(\n\x05reply\x18\x07 \x01(\x0b\x32\x19.layerline.v1.DirectReply\x12\r\n\x05\x61lone\x18\x08 \x01(\x08\x12\r\n\x05\x63hain\x18\t \x03(\t\x12\x11\n\troute_tag\x18\n \x01(\x0c\"2\n\x0b\x44irectReply\x12\x12\n\nsubscriber\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\"\xd4\x02\n\rSequenceInput\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x11\n\tpositions\x18\x02 \x03(\x03\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x0e\n\x06sample\x18\x04 \x01(\x08\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.layerline.v1.SamplingParams\x12\x19\n\x11history_token_ids\x18\x06 \x03(\x03\x12\x44\n\rtrace_context\x18\x07 \x03(\x0b\x32-.layerline.v1.SequenceInput.TraceContextEntry\x12\x13\n\x0bprefix_from\x18\x08 \x01(\t\x12\r\n\x05\x64raft\x18\t \x01(\r\x12\x0e\n\x06rewind\x18\n \x01(\x08\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x9c\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12/\n\tsequences\x18\x02 \x03(\x0b\x32\x1c.layerline.v1.SequenceResult\x12#\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x14.layerline.v1.Status\x12\x16\n\x0e\x66\x61iled_address\x18\x04 \x01(\t\x12\x0f\n\x07replied\x18\x05 \x01(\x08\"\x81\x02\n\x0eSequenceResult\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x1d\n\x10sampled_token_id\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x30\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1a.layerline.v1.TokenLogprob\x12#\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x14.layerline.v1.Status\x12-\n\x08\x61\x63\x63\x65pted\x18\x06 \x03(\x0b\x32\x1b.layerline.v1.AcceptedTokenB\x13\n\x11_sampled_token_idB\n\n\x08_logprob\"u\n\rAcceptedToken\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x30\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x1a.layerline.v1.TokenLogprobB\n\n\x08_logprob\"&\n\x0eReleaseRequest\x12\x14\n\x0csequence_ids\x18\x01 \x03(\t\";\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x02 \x01(\x03\"$\n\x0eResultsRequest\x12\x12\n\nsubscriber\x18\x01 \x01(\t\"\x1c\n\x0bInfoRequest\x12\r\n\x05probe\x18\x01 \x01(\x08\"O\n\x0cInfoResponse\x12(\n\x06worker\x18\x01 \x01(\x0b\x32\x18.layerline.v1.WorkerInfo\x12\x15\n\rprobe_seconds\x18\x02 \x01(\x01\x32\x98\x02\n\x0bStageWorker\x12=\n\x04Step\x12\x17.layerline.v1.StepFrame\x1a\x18.layerline.v1.StepResult(\x01\x30\x01\x12\x46\n\x07Release\x12\x1c.layerline.v1.ReleaseRequest\x1a\x1d.layerline.v1.ReleaseResponse\x12=\n\x04Info\x12\x19.layerline.v1.InfoRequest\x1a\x1a.layerline.v1.InfoResponse\x12\x43\n\x07Results\x12\x1c.layerline.v1.ResultsRequest\x1a\x18.layerline.v1.StepResult0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1flayerline/protos/v1/stage.proto\x12\x0clayerline.v1\x1a layerline/protos/v1/common.proto\x1a layerline/protos/v1/tensor.proto\"s\n\tStepFrame\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.layerline.v1.StepHeaderH\x00\x12\x31\n\x0chidden_chunk\x18\x02 \x01(\x0b\x32\x19.layerline.v1.TensorChunkH\x00\x42\x07\n\x05\x66rame\"\xa5\x02\n\nStepHeader\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12.\n\tsequences\x18\x03 \x03(\x0b\x32\x1b.layerline.v1.SequenceInput\x12\r\n\x05route\x18\x04 \x03(\t\x12\x1c\n\x14release_sequence_ids\x18\x05 \x03(\t\x12)\n\x06hidden\x18\x06 \x01(\x0b\x32\x19.layerline.v1.TensorChunk\x12(\n\x05reply\x18\x07 \x01(\x0b\x32\x19.layerline.v1.DirectReply\x12\r\n\x05\x61lone\x18\x08 \x01(\x08\x12\r\n\x05\x63hain\x18\t \x03(\t\x12\x11\n\troute_tag\x18\n \x01(\x0c\x12\x11\n\trun_ahead\x18\x0b \x01(\x08\"2\n\x0b\x44irectReply\x12\x12\n\nsubscriber\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\"\xd4\x02\n\rSequenceInput\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x11\n\tpositions\x18\x02 \x03(\x03\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x0e\n\x06sample\x18\x04 \x01(\x08\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.layerline.v1.SamplingParams\x12\x19\n\x11history_token_ids\x18\x06 \x03(\x03\x12\x44\n\rtrace_context\x18\x07 \x03(\x0b\x32-.layerline.v1.SequenceInput.TraceContextEntry\x12\x13\n\x0bprefix_from\x18\x08 \x01(\t\x12\r\n\x05\x64raft\x18\t \x01(\r\x12\x0e\n\x06rewind\x18\n \x01(\x08\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x9c\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12/\n\tsequences\x18\x02 \x03(\x0b\x32\x1c.layerline.v1.SequenceResult\x12#\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x14.layerline.v1.Status\x12\x16\n\x0e\x66\x61iled_address\x18\x04 \x01(\t\x12\x0f\n\x07replied\x18\x05 \x01(\x08\"\x81\x02\n\x0eSequenceResult\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x1d\n\x10sampled_token_id\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x30\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1a.layerline.v1.TokenLogprob\x12#\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x14.layerline.v1.Status\x12-\n\x08\x61\x63\x63\x65pted\x18\x06 \x03(\x0b\x32\x1b.layerline.v1.AcceptedTokenB\x13\n\x11_sampled_token_idB\n\n\x08_logprob\"u\n\rAcceptedToken\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x30\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x1a.layerline.v1.TokenLogprobB\n\n\x08_logprob\"&\n\x0eReleaseRequest\x12\x14\n\x0csequence_ids\x18\x01 \x03(\t\";\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x02 \x01(\x03\"$\n\x0eResultsRequest\x12\x12\n\nsubscriber\x18\x01 \x01(\t\"\x1c\n\x0bInfoRequest\x12\r\n\x05probe\x18\x01 \x01(\x08\"O\n\x0cInfoResponse\x12(\n\x06worker\x18\x01 \x01(\x0b\x32\x18.layerline.v1.WorkerInfo\x12\x15\n\rprobe_seconds\x18\x02 \x01(\x01\x32\x98\x02\n\x0bStageWorker\x12=\n\x04Step\x12\x17.layerline.v1.StepFrame\x1a\x18.layerline.v1.StepResult(\x01\x30\x01\x12\x46\n\x07Release\x12\x1c.layerline.v1.ReleaseRequest\x1a\x1d.layerline.v1.ReleaseResponse\x12=\n\x04Info\x12\x19.layerline.v1.InfoRequest\x1a\x1a.layerline.v1.InfoResponse\x12\x43\n\x07Results\x12\x1c.layerline.v1.ResultsRequest\x1a\x18.layerline.v1.StepResult0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,29 +38,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STEPFRAME']._serialized_start=117
   _globals['_STEPFRAME']._serialized_end=232
   _globals['_STEPHEADER']._serialized_start=235
-  _globals['_STEPHEADER']._serialized_end=509
-  _globals['_DIRECTREPLY']._serialized_start=511
-  _globals['_DIRECTREPLY']._serialized_end=561
-  _globals['_SEQUENCEINPUT']._serialized_start=564
-  _globals['_SEQUENCEINPUT']._serialized_end=904
-  _globals['_SEQUENCEINPUT_TRACECONTEXTENTRY']._serialized_start=853
-  _globals['_SEQUENCEINPUT_TRACECONTEXTENTRY']._serialized_end=904
-  _globals['_STEPRESULT']._serialized_start=907
-  _globals['_STEPRESULT']._serialized_end=1063
-  _globals['_SEQUENCERESULT']._serialized_start=1066
-  _globals['_SEQUENCERESULT']._serialized_end=1323
-  _globals['_ACCEPTEDTOKEN']._serialized_start=1325
-  _globals['_ACCEPTEDTOKEN']._serialized_end=1442
-  _globals['_RELEASEREQUEST']._serialized_start=1444
-  _globals['_RELEASEREQUEST']._serialized_end=1482
-  _globals['_RELEASERESPONSE']._serialized_start=1484
-  _globals['_RELEASERESPONSE']._serialized_end=1543
-  _globals['_RESULTSREQUEST']._serialized_start=1545
-  _globals['_RESULTSREQUEST']._serialized_end=1581
-  _globals['_INFOREQUEST']._serialized_start=1583
-  _globals['_INFOREQUEST']._serialized_end=1611
-  _globals['_INFORESPONSE']._serialized_start=1613
-  _globals['_INFORESPONSE']._serialized_end=1692
-  _globals['_STAGEWORKER']._serialized_start=1695
-  _globals['_STAGEWORKER']._serialized_end=1975
+  _globals['_STEPHEADER']._serialized_end=528
+  _globals['_DIRECTREPLY']._serialized_start=530
+  _globals['_DIRECTREPLY']._serialized_end=580
+  _globals['_SEQUENCEINPUT']._serialized_start=583
+  _globals['_SEQUENCEINPUT']._serialized_end=923
+  _globals['_SEQUENCEINPUT_TRACECONTEXTENTRY']._serialized_start=872
+  _globals['_SEQUENCEINPUT_TRACECONTEXTENTRY']._serialized_end=923
+  _globals['_STEPRESULT']._serialized_start=926
+  _globals['_STEPRESULT']._serialized_end=1082
+  _globals['_SEQUENCERESULT']._serialized_start=1085
+  _globals['_SEQUENCERESULT']._serialized_end=1342
+  _globals['_ACCEPTEDTOKEN']._serialized_start=1344
+  _globals['_ACCEPTEDTOKEN']._serialized_end=1461
+  _globals['_RELEASEREQUEST']._serialized_start=1463
+  _globals['_RELEASEREQUEST']._serialized_end=1501
+  _globals['_RELEASERESPONSE']._serialized_start=1503
+  _globals['_RELEASERESPONSE']._serialized_end=1562
+  _globals['_RESULTSREQUEST']._serialized_start=1564
+  _globals['_RESULTSREQUEST']._serialized_end=1600
+  _globals['_INFOREQUEST']._serialized_start=1602
+  _globals['_INFOREQUEST']._serialized_end=1630
+  _globals['_INFORESPONSE']._serialized_start=1632
+  _globals['_INFORESPONSE']._serialized_end=1711
+  _globals['_STAGEWORKER']._serialized_start=1714
+  _globals['_STAGEWORKER']._serialized_end=1994
 # @@protoc_insertion_point(module_scope)

@@ -17,7 +17,7 @@ class StepFrame(_message.Message):
     def __init__(self, header: _Optional[_Union[StepHeader, _Mapping]] = ..., hidden_chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
 
 class StepHeader(_message.Message):
-    __slots__ = ("step_id", "model_id", "sequences", "route", "release_sequence_ids", "hidden", "reply", "alone", "chain", "route_tag")
+    __slots__ = ("step_id", "model_id", "sequences", "route", "release_sequence_ids", "hidden", "reply", "alone", "chain", "route_tag", "run_ahead")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class StepHeader(_message.Message):
     ALONE_FIELD_NUMBER: _ClassVar[int]
     CHAIN_FIELD_NUMBER: _ClassVar[int]
     ROUTE_TAG_FIELD_NUMBER: _ClassVar[int]
+    RUN_AHEAD_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     model_id: str
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceInput]
@@ -38,7 +39,8 @@ class StepHeader(_message.Message):
     alone: bool
     chain: _containers.RepeatedScalarFieldContainer[str]
     route_tag: bytes
-    def __init__(self, step_id: _Optional[int] = ..., model_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[SequenceInput, _Mapping]]] = ..., route: _Optional[_Iterable[str]] = ..., release_sequence_ids: _Optional[_Iterable[str]] = ..., hidden: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., reply: _Optional[_Union[DirectReply, _Mapping]] = ..., alone: _Optional[bool] = ..., chain: _Optional[_Iterable[str]] = ..., route_tag: _Optional[bytes] = ...) -> None: ...
+    run_ahead: bool
+    def __init__(self, step_id: _Optional[int] = ..., model_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[SequenceInput, _Mapping]]] = ..., route: _Optional[_Iterable[str]] = ..., release_sequence_ids: _Optional[_Iterable[str]] = ..., hidden: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., reply: _Optional[_Union[DirectReply, _Mapping]] = ..., alone: _Optional[bool] = ..., chain: _Optional[_Iterable[str]] = ..., route_tag: _Optional[bytes] = ..., run_ahead: _Optional[bool] = ...) -> None: ...
 
 class DirectReply(_message.Message):
     __slots__ = ("subscriber", "step_id")
