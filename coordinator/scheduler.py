@@ -200,9 +200,10 @@ class ChainScheduler:
         return step
 
     def _continues(self, step: PlannedStep) -> bool:
-        """Whether the step after `step` will be the same sequences, each fed the token it draws now:
-        every live sequence is in it, samples with no penalty, drafts nothing and may go on."""
-        if len(step.slices) != len(self.sequences) or self.pending_releases:
+        """Whether the step after `step` will be the same, its one sequence fed the token it draws
+        now: the chain's only live sequence, it samples with no penalty, drafts nothing and may go
+        on. A lone stream only: in a batch some sequence ends or joins too often for a guess to pay."""
+        if len(step.slices) != 1 or len(self.sequences) != 1:
             return False
         for s in step.slices:
             seq = s.seq

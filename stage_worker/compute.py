@@ -54,7 +54,8 @@ class StageCompute:
         self.engine = engine
         self.executor = executor or compute_thread()
         wanted = run_ahead_enabled() if run_ahead is None else run_ahead
-        # A first stage that is not tensor-parallel: it draws the tokens itself, or hears them from the last stage.
+        # A first stage that is not tensor-parallel (a LeadingEngine would have to rewind every rank):
+        # it draws the tokens itself, or hears them from the last stage.
         self.run_ahead = wanted and isinstance(engine, StageEngine) and engine.is_first
         self.submitted = 0  # tasks handed to the thread so far (counted on the event loop, read on the thread)
         self._taken = 0  # of them, those the thread began
@@ -78,10 +79,10 @@ class StageCompute:
         return fn()
 
     def _drop_guess(self) -> None:
-        if self._guess is not None:
-            self._guess.undo(self.engine)
-            self._guess = None
+        guessed, self._guess = self._guess, None
+        if guessed is not None:
             self.guesses["dropped"] += 1
+            guessed.undo(self.engine)
 
     def _run(self, step: ReceivedStep, chain: str) -> StepOutput:
         header = step.header
@@ -111,7 +112,7 @@ class StageCompute:
 
     def _guess_after(self, step: ReceivedStep, out: StepOutput, tokens: Mapping[str, int]) -> None:
         """Queue the step that follows `step` if the sequences go on with `tokens`, unless anything came since."""
-        following = guess(step.seqs, out, tokens)
+        following = guess(step.seqs, out, tokens, ends=self.engine.config.eos_token_ids)
         if following is None or self.submitted != step.since:
             return
         try:

@@ -67,7 +67,7 @@ class ReceivedStep:
     times: StepClock  # its telemetry hooks (doing nothing when telemetry is off)
     hidden: torch.Tensor | None = None  # [sum of tokens, hidden_size]; None on the first stage
     chain: str = ""  # the route it came by, once checked (`routing`)
-    since: int = 0  # tasks the compute thread had been handed when it was computed (`compute`)
+    since: int = 0  # tasks the compute thread had begun when it was computed (`compute`)
 
 
 @dataclass(frozen=True)

@@ -173,6 +173,24 @@ def test_only_a_plain_step_that_ran_whole_implies_the_next():
     drafted = SequenceStep("a", (4, 5), (9, 10), sampling=SAMPLED, draft=1)
     assert guess([drafted], StepOutput(kept=[drafted]), {"a": 11}) is None
     assert guess([a, SequenceStep("b", (0,), (1,))], ran, {"a": 11, "b": 2}) is None  # b failed here
+    assert guess([a], ran, {"a": 11}, ends=(2, 11)) is None  # it drew the end of its sequence
+
+
+def test_a_step_that_releases_a_sequence_is_not_the_guess_even_when_the_rest_matches(ckpt):
+    async def run() -> tuple[StepOutput, StageCompute]:
+        eng = engine(ckpt, LayerRange(0, 4))
+        compute = StageCompute(eng, run_ahead=True)
+        await compute.start(received([SequenceStep("b", (0, 1), (4, 5), sampling=SAMPLED)], run_ahead=False), chain="c")
+        prompt = SequenceStep("a", tuple(range(len(PROMPT))), PROMPT, sampling=SAMPLED)
+        first = await compute.start(received([prompt]), chain="c")
+        settled(compute)
+        nxt = SequenceStep("a", (len(PROMPT),), (first.draws["a"].token_id,), sampling=SAMPLED)
+        out = await compute.start(received([nxt], run_ahead=False, release=["b"]), chain="c")
+        assert "b" not in eng.cache and eng.cache.length("a") == len(PROMPT) + 1
+        return out, compute
+
+    out, compute = asyncio.run(run())
+    assert not out.errors and compute.guesses == {"used": 0, "dropped": 1}
 
 
 def first_mark(s: SchedSequence, **kwargs: object) -> bool:
@@ -200,6 +218,20 @@ def test_the_scheduler_marks_a_step_run_ahead_only_when_its_next_is_certain_but_
     drafting = seq("a", [1, 2, 3])
     drafting.speculate = 2  # its next step may verify drafted tokens
     assert not first_mark(drafting)
+
+
+def test_a_step_of_two_sequences_is_not_run_ahead():
+    async def run() -> tuple[int, bool]:
+        sender = HeldSteps()
+        sched = started(sender, depth=1)
+        sched.add(seq("a", [1, 2, 3]))
+        sched.add(seq("b", [4, 5]))
+        await settle()
+        step: PlannedStep = sender.steps[0][0]
+        await sched.stop()
+        return len(step.slices), step.run_ahead
+
+    assert asyncio.run(run()) == (2, False)
 
 
 def test_a_step_that_leaves_a_sequence_waiting_is_not_run_ahead():
