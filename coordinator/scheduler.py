@@ -205,13 +205,11 @@ class ChainScheduler:
         on. A lone stream only: in a batch some sequence ends or joins too often for a guess to pay."""
         if len(step.slices) != 1 or len(self.sequences) != 1:
             return False
-        for s in step.slices:
-            seq = s.seq
-            if not s.sample or s.draft or seq.speculate or seq.sampling.repetition_penalty != 1.0:
-                return False
-            if seq.max_generated is not None and len(seq.generated) + 1 >= seq.max_generated:
-                return False
-        return True
+        s = step.slices[0]
+        seq = s.seq
+        if not s.sample or s.draft or seq.speculate or seq.sampling.repetition_penalty != 1.0:
+            return False
+        return seq.max_generated is None or len(seq.generated) + 1 < seq.max_generated
 
     def _plan(self) -> PlannedStep | None:
         ready = sorted((s for s in self.sequences.values() if not s.in_flight and not s.done), key=lambda s: s.arrival)

@@ -71,7 +71,7 @@ class StageCompute:
         """Begin computing a step that came by `chain`, after those before it. Failures come in the future."""
         self.submitted += 1
         step.chain = chain
-        return asyncio.get_running_loop().run_in_executor(self.executor, lambda: self._run(step, chain))
+        return asyncio.get_running_loop().run_in_executor(self.executor, lambda: self._run(step))
 
     def _unguessed(self, fn: Callable[[], T]) -> T:
         self._taken += 1
@@ -84,8 +84,8 @@ class StageCompute:
             self.guesses["dropped"] += 1
             guessed.undo(self.engine)
 
-    def _run(self, step: ReceivedStep, chain: str) -> StepOutput:
-        header = step.header
+    def _run(self, step: ReceivedStep) -> StepOutput:
+        header, chain = step.header, step.chain
         self._taken += 1
         with step.times.computing():
             guessed = self._guess
