@@ -14,7 +14,7 @@ import statistics
 import pytest
 
 from layerline.bench.hop_floor import HopFloor, measure_hop_floor
-from layerline.bench.relay_stage import Shapes
+from layerline.bench.relay_stage import Shapes, decode_tokens, encode_tokens
 
 from .stage_client import free_ports
 from .tiny_models import TINY_SHAPES
@@ -26,17 +26,33 @@ def test_shapes_of_a_config_give_the_fused_widths() -> None:
     )
 
 
+def test_a_step_carries_its_tokens_and_the_steps_left() -> None:
+    assert encode_tokens([5, 70000]) == bytes([0, 0, 0, 0, 5, 0, 0, 0, 0x70, 0x11, 1, 0])
+    assert decode_tokens(encode_tokens([5, 70000], 7)) == ([5, 70000], 7)
+    assert decode_tokens(encode_tokens([], 3)) == ([], 3)
+
+
 @pytest.mark.cluster
-@pytest.mark.parametrize("rows", [1, 3])
-def test_both_relays_return_the_same_tokens_over_the_split_of_layerline_up(rows: int) -> None:
+@pytest.mark.parametrize(("rows", "ring"), [(1, False), (3, False), (1, True), (3, True)])
+def test_both_relays_return_the_same_tokens_over_the_split_of_layerline_up(rows: int, ring: bool) -> None:
+    """On a ring the stages go on from their own tokens (20 steps: blocks of 8, 8 and 4 from the
+    driver's one message each); the relays still agree token for token."""
     rounds = []
     floor = measure_hop_floor(
-        TINY_SHAPES, rounds=2, tokens=20, port=free_ports(3), rows=rows, env={"OMP_NUM_THREADS": "1"}, log=rounds.append
+        TINY_SHAPES,
+        rounds=2,
+        tokens=20,
+        port=free_ports(3),
+        rows=rows,
+        ring=ring,
+        env={"OMP_NUM_THREADS": "1"},
+        log=rounds.append,
     )
     assert isinstance(floor, HopFloor)
     assert floor.layer_ranges == [(0, 2), (2, 4)]  # the LM head weighs a third of a layer here
-    assert (floor.rounds, floor.tokens, floor.rows) == (2, 20, rows)
+    assert (floor.rounds, floor.tokens, floor.rows, floor.ring) == (2, 20, rows, ring)
     assert len(rounds) == 2 and rounds[0].startswith(f"hop floor round 1/2, {rows} row")
+    assert (" ring, " in rounds[0]) == ring
     assert floor.one_stage_gap_ms > 0 and floor.two_stages_gap_ms > 0
     assert floor.added_ms_per_hop == pytest.approx(floor.two_stages_gap_ms - floor.one_stage_gap_ms)
     assert len(floor.two_vs_one_stage_rounds) == 2

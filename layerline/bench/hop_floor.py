@@ -60,10 +60,22 @@ class _Relay:
         )()  # type: ignore[call-arg]
         self._opened = True
 
-    async def step(self, tokens: list[int]) -> tuple[list[int], float]:
-        """Send a step's tokens, await the next ones: (them, the seconds between)."""
+    async def block(self, tokens: list[int], steps: int, *, ring: bool) -> list[tuple[list[int], float]]:
+        """`steps` steps from `tokens`: each step's tokens and the seconds from the last step's (for
+        the first, from the driver's message). Off a ring the driver sends each step's tokens back
+        itself; on one it sends the first and the stages go on from their own answers."""
+        out: list[tuple[list[int], float]] = []
         started = time.perf_counter()
-        await self._steps.write(encode_tokens(tokens))
+        for left in range(steps - 1, -1, -1):
+            if not ring or left == steps - 1:
+                await self._steps.write(encode_tokens(tokens, left if ring else 0))
+            tokens = await self._answer()
+            now = time.perf_counter()
+            out.append((tokens, now - started))
+            started = now
+        return out
+
+    async def _answer(self) -> list[int]:
         try:
             answer = await asyncio.wait_for(self._results.read(), TOKEN_TIMEOUT_S)
         except TimeoutError:
@@ -72,7 +84,7 @@ class _Relay:
             ) from None
         if answer is grpc.aio.EOF:  # type: ignore[attr-defined]  # grpc-stubs lack it
             raise RuntimeError(f"the bare relay's results stream from {self.last} ended")
-        return decode_tokens(answer), time.perf_counter() - started  # type: ignore[arg-type]
+        return decode_tokens(answer)[0]  # type: ignore[arg-type]
 
     async def close(self) -> None:
         if self._opened:
@@ -82,7 +94,7 @@ class _Relay:
         await self._tail.close(None)
 
 
-async def _round(one: _Relay, two: _Relay, *, tokens: int, rows: int, reverse: bool) -> tuple[float, float]:
+async def _round(one: _Relay, two: _Relay, *, tokens: int, rows: int, reverse: bool, ring: bool) -> tuple[float, float]:
     """`tokens` steps through each relay, taking turns every BLOCK steps (the one that starts
     alternating by round): each relay's median gap in ms, of every block's steps after its first
     (the first pays for the threads that slept through the other relay's block). Raises if the
@@ -96,10 +108,11 @@ async def _round(one: _Relay, two: _Relay, *, tokens: int, rows: int, reverse: b
             await relay.open()
         for block in range(0, tokens, BLOCK):
             for relay in relays:
-                for i in range(block, min(block + BLOCK, tokens)):
-                    steps[relay], gap = await relay.step(steps[relay])
-                    out[relay].append(steps[relay])
-                    gaps[relay].append((i > block, gap))
+                done = await relay.block(steps[relay], min(BLOCK, tokens - block), ring=ring)
+                for i, (answer, gap) in enumerate(done):
+                    out[relay].append(answer)
+                    gaps[relay].append((i > 0, gap))
+                steps[relay] = done[-1][0]
     finally:
         for relay in relays:
             await relay.close()
@@ -114,7 +127,7 @@ async def _round(one: _Relay, two: _Relay, *, tokens: int, rows: int, reverse: b
 
 
 async def _rounds(
-    one: str, first: str, last: str, *, rounds: int, tokens: int, rows: int, log: Callable[[str], None]
+    one: str, first: str, last: str, *, rounds: int, tokens: int, rows: int, ring: bool, log: Callable[[str], None]
 ) -> tuple[list[float], list[float]]:
     """Rounds on one event loop, the relays taking turns within each (see _round): each relay's
     median gap per round."""
@@ -122,12 +135,13 @@ async def _rounds(
     two_gaps: list[float] = []
     for r in range(rounds):
         one_gap, two_gap = await _round(
-            _Relay(one, one), _Relay(first, last), tokens=tokens, rows=rows, reverse=r % 2 == 1
+            _Relay(one, one), _Relay(first, last), tokens=tokens, rows=rows, reverse=r % 2 == 1, ring=ring
         )
         one_gaps.append(one_gap)
         two_gaps.append(two_gap)
         log(
-            f"hop floor round {r + 1}/{rounds}, {rows} row{'s' if rows > 1 else ''}: bare relay, a step every "
+            f"hop floor round {r + 1}/{rounds}, {rows} row{'s' if rows > 1 else ''}: bare relay"
+            f"{' ring' if ring else ''}, a step every "
             f"{one_gap:.2f} ms on 1 stage, {two_gap:.2f} ms on 2: {two_gap - one_gap:.2f} ms a hop"
         )
     return one_gaps, two_gaps
@@ -148,6 +162,7 @@ class HopFloor:
     # round's 1-stage gap over its 2-stage gap, measured taking turns).
     two_vs_one_stage: float = 1.0
     two_vs_one_stage_rounds: list[float] = field(default_factory=list)
+    ring: bool = False  # the last stage fed the first its tokens (a lone stream run ahead), not the driver
 
 
 def measure_hop_floor(
@@ -160,6 +175,7 @@ def measure_hop_floor(
     threads: int = 1,
     rows: int = 1,
     dtype: str = "float32",
+    ring: bool = False,
     env: dict[str, str] | None = None,
     log: Callable[[str], None] = lambda _: None,
 ) -> HopFloor:
@@ -169,15 +185,18 @@ def measure_hop_floor(
     `threads`: each relay stage's torch threads, as the measured chain's steps take them; `rows`:
     sequences a step (each relay stage's steps take them all at once, as a chain's stages take
     turns; above one, on oneDNN's packed weights where it packs `dtype`); `dtype`: the weights'
-    and activations'; `env`: added to each relay stage's environment (a local chain's stage environment:
-    its threads and OpenMP binding; the OpenMP wait policy is a stage's unless it names one).
+    and activations'; `ring`: each relay's last stage sends its tokens to its first stage, which
+    goes on from them, as a lone stream's first stage runs its next step ahead (otherwise the
+    driver sends each step, as the coordinator sends a batch's); `env`: added to each relay stage's
+    environment (a local chain's stage environment: its threads and OpenMP binding; the OpenMP wait
+    policy is a stage's unless it names one).
     """
     shapes = Shapes.of(config)
     ranges = ranges or split_layers(shapes.num_layers, 2, head_weight=config.head_weight)
-    plan = [
-        (port, 0, shapes.num_layers, None),
-        (port + 1, *ranges[0], f"127.0.0.1:{port + 2}"),
-        (port + 2, *ranges[1], None),
+    plan = [  # (port, first layer, end, the next stage, the ring's first stage)
+        (port, 0, shapes.num_layers, None, f"127.0.0.1:{port}"),
+        (port + 1, *ranges[0], f"127.0.0.1:{port + 2}", None),
+        (port + 2, *ranges[1], None, f"127.0.0.1:{port + 1}"),
     ]
     procs = [
         subprocess.Popen(
@@ -197,16 +216,17 @@ def measure_hop_floor(
                 "--dtype",
                 dtype,
                 *(["--next", n] if n else []),
+                *(["--ring", first] if ring and first else []),
             ],
             env={**os.environ, **(env or {})},
         )
-        for p, a, b, n in plan
+        for p, a, b, n, first in plan
     ]
     try:
         for proc, (p, *_) in zip(procs, plan):
             _wait_listening(proc, p)
         addresses = (f"127.0.0.1:{p}" for p, *_ in plan)
-        one, two = asyncio.run(_rounds(*addresses, rounds=rounds, tokens=tokens, rows=rows, log=log))
+        one, two = asyncio.run(_rounds(*addresses, rounds=rounds, tokens=tokens, rows=rows, ring=ring, log=log))
     finally:
         for proc in procs:
             proc.terminate()
@@ -214,7 +234,7 @@ def measure_hop_floor(
             proc.wait(timeout=30)
     a, b = statistics.median(one), statistics.median(two)
     within = [x / y for x, y in zip(one, two)]  # each round's 2 stages over 1, in tokens a second
-    return HopFloor(a, b, b - a, ranges, rounds, tokens, threads, rows, dtype, statistics.median(within), within)
+    return HopFloor(a, b, b - a, ranges, rounds, tokens, threads, rows, dtype, statistics.median(within), within, ring)
 
 
 def _wait_listening(proc: subprocess.Popen[bytes], port: int) -> None:

@@ -13,8 +13,10 @@ A single stream's time between tokens is also split into its chain's compute, as
 it (asked of each stage after the first token and after the last), and the rest: what a hop adds
 in messages and what it adds in slower compute. Last, `hop_floor` measures the same extra hop
 through a bare gRPC relay of the model's matmuls (see hop_floor.py): what this machine charges
-for a hop before any of layerline's own work; and the same relays at 32 rows a step, 2 stages
-against 1: the floor under 32 streams on 2 stages against 1. The clusters, and how a stream
+for a hop before any of layerline's own work, its lone row on a ring (the last stage feeds the
+first, as a lone stream's first stage runs ahead), 2 stages against 1 the floor under a lone
+stream's; and the same relays at 32 rows a step, the driver sending each step as the coordinator
+sends a batch's: the floor under 32 streams on 2 stages against 1. The clusters, and how a stream
 and many are measured, are clusters.py's. Beside transformers' batch of 32, in the same
 rounds, `BatchFloor` times the model's matrix products alone at 32 rows (batch_floor.py): the
 floor under the 32-stream figures. Beside the single streams, `BandwidthFloor` times this
@@ -90,7 +92,7 @@ class BenchResult:
     long_prompt_ttft_s: dict[str, float] = field(default_factory=dict)  # medians; LONG_PROMPT, one at a time
     long_prompt_tokens: int = 0
     weights_bytes_per_rank: dict[str, int] = field(default_factory=dict)  # largest rank of each cluster
-    hop_floor: dict[str, object] = field(default_factory=dict)  # the bare relay's figures (HopFloor), a lone row
+    hop_floor: dict[str, object] = field(default_factory=dict)  # the bare relays' figures (HopFloor), a lone row
     split_floor_32: dict[str, object] = field(default_factory=dict)  # the same relays at 32 rows a step
     bandwidth_floor: dict[str, float] = field(default_factory=dict)  # medians; bandwidth_floor.py
     client_cpu_ms_per_token: dict[str, float] = field(default_factory=dict)  # medians; client_cpu.py
@@ -119,20 +121,6 @@ def _show(value: object) -> str:
     if isinstance(value, Seconds):
         return f"{value * 1000:.0f} ms"
     return f"{value:.1f} tok/s"
-
-
-def _relay_ratios(result: BenchResult, floor: HopFloor) -> dict[str, float]:
-    """The floor under the first ratio: the bare relay's one stage (the model's matmuls in plain
-    torch float32 and a message a token) against ours, and against transformers: the most any
-    float32 engine of torch's matmuls could show over transformers on this machine. Its weights
-    are float32 whatever the run's dtype, so only a float32 run is compared with it."""
-    if result.dtype != "float32":
-        return {}
-    relay, single = floor.one_stage_gap_ms, result.single_stream
-    return {
-        "single_stream_1_stage_vs_bare_relay": relay / single["1_stage"].median_gap_ms,
-        "single_stream_bare_relay_vs_transformers": single["transformers"].median_gap_ms / relay,
-    }
 
 
 def _bandwidth_floor(config: ModelConfig, dtype: str, rounds: int) -> dict[str, float]:
@@ -255,7 +243,7 @@ def run_bench(
     finally:
         for cluster in clusters.values():
             cluster.stop()
-    _log(f"the floors of a split: a bare gRPC relay of the model's matmuls (a lone row in float32, 32 in {dtype}) ...")
+    _log(f"the floors of a split: a bare gRPC relay of the model's matmuls in {dtype} (a lone row, then 32) ...")
     floor, split32 = (
         measure_hop_floor(
             config,
@@ -265,7 +253,8 @@ def run_bench(
             ranges=two.ranges,  # split as the 2-stage cluster was
             threads=two.chain_threads,  # as its steps run: one at a time, on the chain's cores
             rows=rows,  # a lone stream's hop, then the 32 streams' steps
-            dtype="float32" if rows == 1 else dtype,  # a lone row's relay is float32's floor, in every run
+            dtype=dtype,
+            ring=rows == 1,  # a lone stream's first stage runs ahead from the last stage's tokens; a batch waits
             env=two.stage_env(),  # its threads and OpenMP binding
             log=_log,
         )
@@ -295,6 +284,10 @@ def _judge(
     result.ratios = {
         "single_stream_1_stage_vs_transformers": s["1_stage"] / s["transformers"],
         "single_stream_2_stages_vs_1_stage": s["2_stages"] / s["1_stage"],
+        # The floor under it: the bare relays' lone row on a ring (the last stage feeds the first, as
+        # a lone stream runs ahead), 2 stages against 1, their rounds taking turns; and ours over it.
+        "single_stream_2_stages_vs_1_stage_bare_relay": floor.two_vs_one_stage,
+        "single_stream_2_stages_vs_1_stage_vs_bare_relay": s["2_stages"] / s["1_stage"] / floor.two_vs_one_stage,
         "concurrent_32_vs_transformers_batch_32": a["2_stages_x32"] / a["transformers_batch_32"],
         "concurrent_32_1_stage_vs_transformers_batch_32": a["1_stage_x32"] / a["transformers_batch_32"],
         "concurrent_32_2_stages_vs_1_stage": a["2_stages_x32"] / a["1_stage_x32"],
@@ -309,7 +302,12 @@ def _judge(
         # products could show) and against one stage's 32 streams (how much of it layerline keeps).
         "matmul_floor_32_vs_transformers_batch_32": a["matmul_floor_x32"] / a["transformers_batch_32"],
         "concurrent_32_1_stage_vs_matmul_floor": a["1_stage_x32"] / a["matmul_floor_x32"],
-        **_relay_ratios(result, floor),
+        # The floor under the first ratio: the bare relay's one stage (the model's matmuls in plain
+        # torch at the run's dtype, its steps going on from its own tokens) against ours, and
+        # against transformers: the most an engine of torch's plain matmuls could show over it here.
+        "single_stream_1_stage_vs_bare_relay": floor.one_stage_gap_ms / result.single_stream["1_stage"].median_gap_ms,
+        "single_stream_bare_relay_vs_transformers": result.single_stream["transformers"].median_gap_ms
+        / floor.one_stage_gap_ms,
         # The floor under the first ratio in every dtype: a token's weights read once at this
         # process's read bandwidth (bandwidth_floor.py), against transformers and against ours.
         "single_stream_bandwidth_floor_vs_transformers": result.bandwidth_floor["tokens_per_s"] / s["transformers"],
