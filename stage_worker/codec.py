@@ -101,14 +101,15 @@ def _validated_nbytes(
             raise FrameError(f"{field}.shape[{i}] = {dim}: dimensions must be >= 0")
     dims = tuple(int(d) for d in shape)
     nbytes = math.prod(dims) * dtype.itemsize  # Python ints: exact for any shape
-    name = tensor_pb2.DType.Name(dtype_value)
     if nbytes > limits.max_tensor_bytes:
+        name = tensor_pb2.DType.Name(dtype_value)
         raise FrameLimitError(
             f"{field}.shape {list(dims)} of {name} is {nbytes} bytes: over max_tensor_bytes = {limits.max_tensor_bytes}"
         )
     if nbytes == 0:  # no elements, yet torch sizes and strides its other dims in int64: bound them too
         span = math.prod(d for d in dims if d) * dtype.itemsize
         if span > min(limits.max_tensor_bytes, _MAX_SPAN_BYTES):
+            name = tensor_pb2.DType.Name(dtype_value)
             raise FrameLimitError(
                 f"{field}.shape {list(dims)} of {name} holds no elements, but its nonzero dims span {span} bytes:"
                 f" over max_tensor_bytes = {limits.max_tensor_bytes}"
@@ -163,15 +164,30 @@ def chunk(t: torch.Tensor, max_chunk_bytes: int) -> Iterator[tensor_pb2.TensorCh
         raise ValueError(f"max_chunk_bytes = {max_chunk_bytes}: must be > 0")
     wire, u8 = _bytes_of(t)
     total = u8.numel()
-    yield tensor_pb2.TensorChunk(
-        dtype=wire,
-        shape=list(t.shape),
-        total_bytes=total,
-        offset=0,
-        data=_to_bytes(u8[:max_chunk_bytes]),
-    )
+    first = tensor_pb2.TensorChunk()
+    _first_chunk(first, wire, t.shape, u8[:max_chunk_bytes], total)
+    yield first
     for offset in range(max_chunk_bytes, total, max_chunk_bytes):
         yield tensor_pb2.TensorChunk(offset=offset, data=_to_bytes(u8[offset : offset + max_chunk_bytes]))
+
+
+def whole_chunk(t: torch.Tensor, into: tensor_pb2.TensorChunk, max_chunk_bytes: int) -> bool:
+    """Write the tensor into `into` as its one chunk (`chunk`'s first), if its bytes fit in one;
+    False, and `into` untouched, if they do not."""
+    wire, u8 = _bytes_of(t)
+    if u8.numel() > max_chunk_bytes:
+        return False
+    _first_chunk(into, wire, t.shape, u8, u8.numel())
+    return True
+
+
+def _first_chunk(
+    into: tensor_pb2.TensorChunk, wire: tensor_pb2.DType, shape: Sequence[int], data: torch.Tensor, total: int
+) -> None:
+    into.dtype = wire
+    into.shape.extend(shape)
+    into.total_bytes = total
+    into.data = _to_bytes(data)
 
 
 class Reassembler:

@@ -30,7 +30,7 @@ from layerline.protos.v1 import common_pb2, stage_pb2
 from layerline.shared.errors import Unreachable
 from layerline.shared.wire import status_message
 
-from .codec import chunk
+from .codec import chunk, whole_chunk
 from .engine import SequenceError, StepOutput
 from .frames import ReceivedStep
 from .hops import NextHops
@@ -64,9 +64,12 @@ class Subscribers:
         return queue is not None and queue.qsize() < MAX_UNSENT_RESULTS
 
     def reply(self, reply: stage_pb2.DirectReply, result: stage_pb2.StepResult) -> None:
-        """Queue a step's result for the subscriber its header names (which `takes` it)."""
+        """Queue a step's result for the subscriber its header names (which `takes` it; a stream
+        closed since loses it, as the results still queued on it when it closed)."""
         result.step_id = reply.step_id
-        self._queues[reply.subscriber].put_nowait(result)
+        queue = self._queues.get(reply.subscriber)
+        if queue is not None:
+            queue.put_nowait(result)
 
 
 class Delivery:
@@ -94,21 +97,18 @@ class Delivery:
         order = [s.sequence_id for s in step.seqs]
         local = {e.sequence_id: e for e in out.errors}
         if self.is_last:
-            result = _merge(step.header.step_id, order, local, _draw_results(step, out))
-            if step.header.HasField("reply") and self.subscribers.takes(step.header.reply):
-                ack = stage_pb2.StepResult(step_id=step.header.step_id, replied=True)
-                if step.header.run_ahead:  # the first stage starts the next step with them: they go first
-                    ack.sequences.extend(
-                        stage_pb2.SequenceResult(sequence_id=r.sequence_id, sampled_token_id=r.sampled_token_id)
-                        for r in result.sequences
-                        if r.HasField("sampled_token_id")
-                    )
+            header = step.header
+            if header.HasField("reply") and self.subscribers.takes(header.reply):
+                ack = stage_pb2.StepResult(step_id=header.step_id, replied=True)
+                if header.run_ahead:  # the first stage starts the next step with the tokens: they go first
+                    ack.sequences.extend(_drawn_tokens(step, out, local))
                     answer(ack)
-                self.subscribers.reply(step.header.reply, result)
-                if not step.header.run_ahead:
+                    await asyncio.sleep(0)  # its write begins (the stream's task runs) before the result is built
+                self.subscribers.reply(header.reply, _merge(header.step_id, order, local, _draw_results(step, out)))
+                if not header.run_ahead:
                     answer(ack)
             else:
-                answer(result)
+                answer(_merge(header.step_id, order, local, _draw_results(step, out)))
             return
         header = _forwarded_header(step.header, kept={s.sequence_id for s in out.kept}, dropped=local)
         assert out.hidden is not None or not out.kept
@@ -144,13 +144,11 @@ class Delivery:
 
     def _frames(self, header: stage_pb2.StepHeader, hidden: torch.Tensor) -> list[stage_pb2.StepFrame]:
         """The hidden states in `header` when both fit in one message (no frame after it), else as chunk frames."""
-        chunks = list(chunk(hidden, self.max_chunk_bytes))
-        if len(chunks) == 1 and (
-            header.ByteSize() + chunks[0].ByteSize() + FRAME_OVERHEAD_BYTES <= self.max_message_bytes
-        ):
-            header.hidden.CopyFrom(chunks[0])
-            return []
-        return [stage_pb2.StepFrame(hidden_chunk=c) for c in chunks]
+        if whole_chunk(hidden, header.hidden, self.max_chunk_bytes):
+            if header.ByteSize() + FRAME_OVERHEAD_BYTES <= self.max_message_bytes:
+                return []
+            header.ClearField("hidden")
+        return [stage_pb2.StepFrame(hidden_chunk=c) for c in chunk(hidden, self.max_chunk_bytes)]
 
 
 def _forwarded_header(
@@ -171,6 +169,20 @@ def _forwarded_header(
     if header.HasField("reply") and len(forwarded.sequences) == len(header.sequences):
         forwarded.reply.CopyFrom(header.reply)  # dropped with a sequence: see stage.proto
     return forwarded
+
+
+def _drawn_tokens(
+    step: ReceivedStep, out: StepOutput, local: dict[str, SequenceError]
+) -> list[stage_pb2.SequenceResult]:
+    """The tokens drawn for the sequences that asked (the sampled tokens of `_draw_results`), alone."""
+    wants = {s.sequence_id: s.sample for s in step.header.sequences}
+    return [
+        stage_pb2.SequenceResult(sequence_id=seq.sequence_id, sampled_token_id=draw.token_id)
+        for seq in out.kept
+        if seq.sequence_id not in local
+        and wants[seq.sequence_id]
+        and (draw := out.draws.get(seq.sequence_id)) is not None
+    ]
 
 
 def _draw_results(step: ReceivedStep, out: StepOutput) -> dict[str, stage_pb2.SequenceResult]:

@@ -51,6 +51,25 @@ def test_a_route_the_coordinator_did_not_issue_is_forbidden(me, header, sender, 
         _guard(me, key).check(header(key), sender=sender)
 
 
+def test_a_route_followed_before_is_checked_again_under_a_new_key_and_a_changed_field() -> None:
+    """A stage remembers the routes it followed; the memory goes with its key, and a step that
+    differs in any field of its route from one followed (tag, model, sender) is checked whole."""
+    key = new_key()
+    middle = _guard(CHAIN[1], key)
+    followed = _header(CHAIN, CHAIN[2:], key=key)
+    assert middle.check(followed, sender="stage") == "\0".join(CHAIN)
+    assert middle.check(followed, sender="stage") == "\0".join(CHAIN)  # remembered
+    with pytest.raises(Forbidden, match="does not match"):
+        middle.check(_retagged(_header(CHAIN, CHAIN[2:], key=key), model_id="m2"), sender="stage")
+    with pytest.raises(Forbidden, match="route_tag does not match"):
+        middle.check(_header(CHAIN, CHAIN[2:], key=new_key()), sender="stage")
+    with pytest.raises(Forbidden, match="at a chain's first stage"):
+        middle.check(followed, sender="coordinator")
+    middle.key = new_key()  # the coordinator's key changed (it restarted): what was followed is not
+    with pytest.raises(Forbidden, match="route_tag does not match"):
+        middle.check(followed, sender="stage")
+
+
 def _retagged(header: stage_pb2.StepHeader, *, model_id: str) -> stage_pb2.StepHeader:
     """The header edited after it was tagged: another model id under the same tag."""
     header.model_id = model_id
