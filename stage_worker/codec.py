@@ -165,7 +165,7 @@ def chunk(t: torch.Tensor, max_chunk_bytes: int) -> Iterator[tensor_pb2.TensorCh
     wire, u8 = _bytes_of(t)
     total = u8.numel()
     first = tensor_pb2.TensorChunk()
-    _first_chunk(first, wire, t.shape, u8[:max_chunk_bytes], total)
+    _first_chunk(first, wire, t.shape, u8[:max_chunk_bytes], total=total)
     yield first
     for offset in range(max_chunk_bytes, total, max_chunk_bytes):
         yield tensor_pb2.TensorChunk(offset=offset, data=_to_bytes(u8[offset : offset + max_chunk_bytes]))
@@ -174,16 +174,17 @@ def chunk(t: torch.Tensor, max_chunk_bytes: int) -> Iterator[tensor_pb2.TensorCh
 def whole_chunk(t: torch.Tensor, into: tensor_pb2.TensorChunk, max_chunk_bytes: int) -> bool:
     """Write the tensor into `into` as its one chunk (`chunk`'s first), if its bytes fit in one;
     False, and `into` untouched, if they do not."""
-    wire, u8 = _bytes_of(t)
-    if u8.numel() > max_chunk_bytes:
+    if t.numel() * t.element_size() > max_chunk_bytes:
         return False
-    _first_chunk(into, wire, t.shape, u8, u8.numel())
+    wire, u8 = _bytes_of(t)
+    _first_chunk(into, wire, t.shape, u8, total=u8.numel())
     return True
 
 
 def _first_chunk(
-    into: tensor_pb2.TensorChunk, wire: tensor_pb2.DType, shape: Sequence[int], data: torch.Tensor, total: int
+    into: tensor_pb2.TensorChunk, wire: tensor_pb2.DType, shape: Sequence[int], data: torch.Tensor, *, total: int
 ) -> None:
+    """A tensor's first chunk: its dtype, shape and whole size, and the first of its bytes (`data`)."""
     into.dtype = wire
     into.shape.extend(shape)
     into.total_bytes = total

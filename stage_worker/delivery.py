@@ -80,12 +80,14 @@ class Delivery:
         hops: NextHops,
         *,
         is_last: bool,
+        is_first: bool = False,
         hidden_size: int,
         max_message_bytes: int,
         max_chunk_bytes: int,
     ) -> None:
         self.hops = hops
         self.is_last = is_last
+        self.is_first = is_first  # a 1-stage chain's acknowledgement stays here: nothing waits for it
         self.hidden_size = hidden_size  # of the empty hidden states sent when no sequence ran here
         self.max_message_bytes = max_message_bytes  # the gRPC message limit of the next hop
         self.max_chunk_bytes = max_chunk_bytes  # data bytes per hidden-state chunk sent
@@ -100,13 +102,18 @@ class Delivery:
             header = step.header
             if header.HasField("reply") and self.subscribers.takes(header.reply):
                 ack = stage_pb2.StepResult(step_id=header.step_id, replied=True)
-                if header.run_ahead:  # the first stage starts the next step with the tokens: they go first
+                if header.run_ahead and not self.is_first:  # the first stage starts the next step with the tokens
                     ack.sequences.extend(_drawn_tokens(step, out, local))
                     answer(ack)
-                    await asyncio.sleep(0)  # its write begins (the stream's task runs) before the result is built
+                    try:
+                        await asyncio.sleep(0)  # its write begins (the stream's task runs) before the result is built
+                    finally:
+                        self.subscribers.reply(
+                            header.reply, _merge(header.step_id, order, local, _draw_results(step, out))
+                        )
+                    return
                 self.subscribers.reply(header.reply, _merge(header.step_id, order, local, _draw_results(step, out)))
-                if not header.run_ahead:
-                    answer(ack)
+                answer(ack)
             else:
                 answer(_merge(header.step_id, order, local, _draw_results(step, out)))
             return

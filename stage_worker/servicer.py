@@ -82,6 +82,7 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
         self.delivery = Delivery(
             hops,
             is_last=engine.is_last,
+            is_first=engine.is_first,
             hidden_size=engine.config.hidden_size,
             max_message_bytes=limits.max_message_bytes,
             max_chunk_bytes=limits.max_chunk_bytes,

@@ -7,7 +7,8 @@ import pytest
 from layerline.coordinator.auth import Tokens, bearer
 from layerline.protos.v1 import stage_pb2
 from layerline.shared.errors import Forbidden, InvalidInput, OverLimit
-from layerline.shared.routes import check_address, new_key, route_tag
+from layerline.shared.routes import check_address, check_tag, new_key, route_tag
+from layerline.stage_worker import routing
 from layerline.stage_worker.routing import RouteGuard
 
 CHAIN = ["10.0.0.1:7101", "10.0.0.2:7102", "10.0.0.3:7103"]
@@ -51,14 +52,25 @@ def test_a_route_the_coordinator_did_not_issue_is_forbidden(me, header, sender, 
         _guard(me, key).check(header(key), sender=sender)
 
 
-def test_a_route_followed_before_is_checked_again_under_a_new_key_and_a_changed_field() -> None:
+def test_a_route_followed_before_is_checked_again_under_a_new_key_and_a_changed_field(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A stage remembers the routes it followed; the memory goes with its key, and a step that
     differs in any field of its route from one followed (tag, model, sender) is checked whole."""
     key = new_key()
-    middle = _guard(CHAIN[1], key)
+    me = [CHAIN[1]]
+    middle = RouteGuard(address=lambda: me[0])
+    middle.key = key
+    verified = []
+    monkeypatch.setattr(routing, "check_tag", lambda *a: verified.append(a) or check_tag(*a))
     followed = _header(CHAIN, CHAIN[2:], key=key)
     assert middle.check(followed, sender="stage") == "\0".join(CHAIN)
-    assert middle.check(followed, sender="stage") == "\0".join(CHAIN)  # remembered
+    assert middle.check(followed, sender="stage") == "\0".join(CHAIN)
+    assert len(verified) == 1  # the second time, remembered
+    with pytest.raises(Forbidden, match="route must be the hops"):
+        middle.check(_header(CHAIN, CHAIN[3:], key=key), sender="stage")  # another route under the chain's tag
+    me[0] = CHAIN[2]  # the stage now advertises another address: the last of the chain
+    with pytest.raises(Forbidden, match="route must be the hops"):
+        middle.check(followed, sender="stage")
+    me[0] = CHAIN[1]
     with pytest.raises(Forbidden, match="does not match"):
         middle.check(_retagged(_header(CHAIN, CHAIN[2:], key=key), model_id="m2"), sender="stage")
     with pytest.raises(Forbidden, match="route_tag does not match"):

@@ -84,6 +84,19 @@ def test_chunk_reassemble_round_trip(t: torch.Tensor, chunk_bytes: int) -> None:
     assert not r.in_progress
 
 
+@settings(max_examples=100, deadline=None)
+@given(t=tensors(), chunk_bytes=st.integers(1, 400))
+def test_a_whole_chunk_is_the_first_chunk_where_the_tensor_fits_in_one(t: torch.Tensor, chunk_bytes: int) -> None:
+    into = tensor_pb2.TensorChunk()
+    fits = t.numel() * t.dtype.itemsize <= chunk_bytes
+    assert codec.whole_chunk(t, into, chunk_bytes) == fits
+    if fits:
+        assert into == next(codec.chunk(t, chunk_bytes))
+        _assert_same(Reassembler(limits=LIMITS).add(tensor_pb2.TensorChunk.FromString(into.SerializeToString())), t)
+    else:
+        assert into == tensor_pb2.TensorChunk()  # untouched
+
+
 def test_reassembler_takes_tensor_after_tensor() -> None:
     r = Reassembler(limits=LIMITS)
     for dtype in DTYPES:

@@ -2,18 +2,24 @@
 
 Owns `measure_hop_floor`. It starts bare relay stages as OS processes on this machine: one holding
 all of a model's layers, and two holding them split as `layerline up --stages 2` splits them. It
-drives steps of one token (or of `rows` tokens, one a sequence) through the 1-stage relay and the
+runs steps of one token (or of `rows` tokens, one a sequence) through the 1-stage relay and the
 2-stage one, the two taking turns every BLOCK steps within each round, so that the drift of a
 shared machine (20-40% between rounds of a minute) falls on both alike. The difference of their
 median times between steps is what one more hop costs on this machine with none of layerline's
 own work in it: no scheduler, KV cache, attention, sampling, checks or telemetry, only grpc.aio
-messages and the weights' matmuls; their ratio at 32 rows is the most 2 stages taking turns on
-the cores could keep of 1 stage's tokens a second.
+messages and the weights' matmuls; their ratio is the most 2 stages could keep of 1 stage's tokens
+a second. Two ways to step, as layerline steps: the driver sends every step and awaits its tokens
+(a batch's steps, each scheduled by the coordinator), or, on a ring, the driver sends a block's
+first step and the last stage sends each step's tokens to the first stage, which goes on from
+them (a lone stream's, whose first stage runs its next step ahead): a token then crosses each hop
+of the chain once and no driver lies on its path.
 
 A relay stage is a process of its own (relay_stage.py): the model's matmuls on random weights
 seeded by layer index, in a stage's OpenMP environment, so both relays compute the same function
-and return the same tokens; at several rows a step on packed weights (oneDNN's, or AMX tiles or
-FMA blocks where they serve), as a stage's are.
+and return the same tokens; at several rows a step, and on a ring, on packed weights (oneDNN's, or
+AMX tiles or FMA blocks where they serve), as a stage's are (a lone row's relay on torch's plain
+products, as the bench ran it until the thirty-first session, computed a bfloat16 token in 21 ms
+here against 10 packed, and a float32 one in 23.5 against 19.4).
 
 Knows a model by its config's shapes only: no checkpoint, tokenizer or coordinator.
 """
@@ -42,7 +48,7 @@ BLOCK = 8  # steps through one relay before the other takes its turn
 
 
 class _Relay:
-    """A driver's streams into one relay (its first stage) and out of it (its last): one step at a time."""
+    """A driver's streams into one relay (its first stage) and out of it (its last): a block of steps at a time."""
 
     def __init__(self, first: str, last: str) -> None:
         self.first, self.last = first, last
@@ -184,7 +190,7 @@ def measure_hop_floor(
     `ranges`: the 2-stage relay's split (default: `split_layers` by the bytes of the head);
     `threads`: each relay stage's torch threads, as the measured chain's steps take them; `rows`:
     sequences a step (each relay stage's steps take them all at once, as a chain's stages take
-    turns; above one, on oneDNN's packed weights where it packs `dtype`); `dtype`: the weights'
+    turns; above one, on packed weights where `dtype` packs, as on a ring); `dtype`: the weights'
     and activations'; `ring`: each relay's last stage sends its tokens to its first stage, which
     goes on from them, as a lone stream's first stage runs its next step ahead (otherwise the
     driver sends each step, as the coordinator sends a batch's); `env`: added to each relay stage's
@@ -212,7 +218,7 @@ def measure_hop_floor(
                 json.dumps(asdict(shapes)),
                 "--threads",
                 str(threads),
-                *(["--packed"] if rows > 1 else []),
+                *(["--packed"] if rows > 1 or ring else []),
                 "--dtype",
                 dtype,
                 *(["--next", n] if n else []),

@@ -4,7 +4,7 @@ Owns the relay's wire (a step's tokens as 4 bytes a row after 4 bytes of steps l
 `encode_tokens`), the matmul shapes of a Llama-family decoder (`Shapes`), a stage's part of the
 model (`_Layers`) and the stage's server. A relay stage is a grpc.aio server. Its step runs each of
 its layers' matmuls (fused qkv, o, fused gate/up, down, with SiLU) on random weights (float32, or
-`--dtype`; with `--packed`, on oneDNN's packed layout, as a stage's several-row steps are), on
+`--dtype`; with `--packed`, on a stage's packed layouts, as a stage's steps are), on
 `--threads` torch threads, inline on the event loop, with a stage's OpenMP environment. It sends
 the hidden state, encoded by the codec, to the next stage; the last stage applies the LM head and
 answers each row's argmax token on a Results stream, as layerline's last stage answers the
@@ -91,7 +91,7 @@ class _Layers:
         import torch
 
         from layerline.stage_worker.layouts import can_pack
-        from layerline.stage_worker.tiles import pack
+        from layerline.stage_worker.tiles import pack, packed_product
 
         h, i = shapes.hidden_size, shapes.intermediate_size
         kind = getattr(torch, dtype)
@@ -119,23 +119,19 @@ class _Layers:
             else None
         )
         self.head = weight(HEAD_SEED, shapes.vocab_size, h) if end == shapes.num_layers else None
+        self._packed_product, self._plain_product = packed_product, torch.nn.functional.linear
+        self._silu, self._inference_mode = torch.nn.functional.silu, torch.inference_mode
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        import torch
-
-        from layerline.stage_worker.tiles import packed_product
-
-        return packed_product(x, w, None) if self.packed else torch.nn.functional.linear(x, w)
+        return self._packed_product(x, w, None) if self.packed else self._plain_product(x, w)
 
     def compute(self, x: torch.Tensor) -> torch.Tensor:  # [rows, hidden]
-        import torch
-
-        with torch.inference_mode():
+        with self._inference_mode():
             for qkv, o, gate_up, down in self.layers:
                 attn = self._linear(x, qkv)[:, : self.o_width]  # [rows, o_width]: a stand-in for attention's output
                 x = x + self._linear(attn.contiguous(), o)
                 gate, up = self._linear(x, gate_up).chunk(2, dim=-1)  # each [rows, intermediate]
-                x = x + self._linear(torch.nn.functional.silu(gate) * up, down)
+                x = x + self._linear(self._silu(gate) * up, down)
             return x
 
     def tokens(self, x: torch.Tensor) -> list[int]:
@@ -155,7 +151,7 @@ class _Layers:
 
 
 async def _serve_stage(
-    port: int, stage: _Layers, next_address: str | None, ring: str | None = None, alone: Executor | None = None
+    port: int, stage: _Layers, *, next_address: str | None, ring: str | None = None, alone: Executor | None = None
 ) -> None:
     from layerline.protos.v1 import tensor_pb2
     from layerline.stage_worker.codec import CodecLimits, decode, encode
@@ -241,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
         help="the first stage (the last stage's own on 1 stage): its steps go on from the tokens",
     )
     parser.add_argument(
-        "--packed", action="store_true", help="products on oneDNN's packed weights (a stage's, for several rows)"
+        "--packed", action="store_true", help="products on a stage's packed weights (oneDNN's, AMX tiles or FMA blocks)"
     )
     args = parser.parse_args(argv)
     start, end = (int(v) for v in args.layers.split(":"))
@@ -258,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
         return _Layers(shapes, start, end, packed=args.packed, dtype=args.dtype)
 
     stage = alone.submit(build).result() if alone is not None else build()
-    asyncio.run(_serve_stage(args.port, stage, args.next, args.ring, alone))
+    asyncio.run(_serve_stage(args.port, stage, next_address=args.next, ring=args.ring, alone=alone))
 
 
 if __name__ == "__main__":

@@ -302,9 +302,9 @@ def _judge(
         # products could show) and against one stage's 32 streams (how much of it layerline keeps).
         "matmul_floor_32_vs_transformers_batch_32": a["matmul_floor_x32"] / a["transformers_batch_32"],
         "concurrent_32_1_stage_vs_matmul_floor": a["1_stage_x32"] / a["matmul_floor_x32"],
-        # The floor under the first ratio: the bare relay's one stage (the model's matmuls in plain
-        # torch at the run's dtype, its steps going on from its own tokens) against ours, and
-        # against transformers: the most an engine of torch's plain matmuls could show over it here.
+        # The floor under the first ratio: the bare relay's one stage (the model's matmuls on a
+        # stage's packed weights at the run's dtype, its steps going on from its own tokens)
+        # against ours, and against transformers: what those products alone show over it here.
         "single_stream_1_stage_vs_bare_relay": floor.one_stage_gap_ms / result.single_stream["1_stage"].median_gap_ms,
         "single_stream_bare_relay_vs_transformers": result.single_stream["transformers"].median_gap_ms
         / floor.one_stage_gap_ms,
