@@ -81,9 +81,7 @@ class StepLayout:
     write_slots: torch.Tensor  # [T] cache slot each new token's K and V are written to
     decode_rows: torch.Tensor  # [D] rows of single-token sequences, batched together
     decode_blocks: torch.Tensor  # [D, Bmax] their block tables, padded (whole blocks are gathered)
-    # [D, 1, 1, Bmax * block_size] in the pools' dtype, added to the scores: 0 for the positions
-    # they hold, -inf for the rest of their blocks
-    decode_mask: torch.Tensor
+    mask_dtype: torch.dtype  # the pools': of `decode_mask`
     prefills: tuple[PrefillSpan, ...]  # every other sequence, one attention call each
     # The longest context of the decode batch after this step's write: no decode row attends past
     # it, so attention straight off the pools reads no further than it (paged_attention.py)
@@ -99,6 +97,20 @@ class StepLayout:
     @property
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
+
+    @property
+    def decode_mask(self) -> torch.Tensor:
+        """[D, 1, 1, Bmax * block_size] in the pools' dtype, added to the scores: 0 for the positions
+        the decode rows hold, -inf for the rest of their blocks. Made at its first use in a step, once
+        (given the booleans, torch's attention made it at every layer: 32 sequences, SmolLM2, two
+        threads, a step 56.0 against 56.9 ms in bfloat16, 94.8 against 95.7 in float32, the same
+        logits); a lone row's kernels never read it, and it cost a step 15 us to make."""
+        mask = self.memo.get("decode_mask")
+        if not isinstance(mask, torch.Tensor):
+            held = torch.arange(self.decode_blocks.shape[1] * self.block_size) < self.decode_lens[:, None]  # [D, L]
+            mask = torch.zeros(held.shape, dtype=self.mask_dtype).masked_fill_(~held, float("-inf"))[:, None, None, :]
+            mask = self.memo["decode_mask"] = mask.to(self.decode_blocks.device)
+        return mask
 
     @property
     def decode_only(self) -> bool:
@@ -268,11 +280,6 @@ class PagedKVCache:
         padded = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long)
         padded = padded.view(len(decode_tables), width)  # [D, width], also where D is 0
         lens = torch.tensor(decode_lens, dtype=torch.long)
-        held = torch.arange(width * block) < lens[:, None]  # [D, L]
-        # Additive, once a step: given the booleans, torch's attention made this at every layer
-        # (32 sequences, SmolLM2, two threads: a step 56.0 against 56.9 ms in bfloat16, 94.8
-        # against 95.7 in float32, the same logits).
-        mask = torch.zeros(held.shape, dtype=self.dtype).masked_fill_(~held, float("-inf"))[:, None, None, :]
         alone = len(decode_tables) == 1 and not prefills
         return StepLayout(
             seq_lens=tuple(seq_lens),
@@ -281,7 +288,7 @@ class PagedKVCache:
             write_slots=torch.tensor(write, dtype=torch.long, device=self.device),
             decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=self.device),
             decode_blocks=padded.to(self.device),
-            decode_mask=mask.to(self.device),
+            mask_dtype=self.dtype,
             prefills=tuple(prefills),
             decode_length=max(decode_lens, default=0),
             decode_lens=lens,

@@ -53,6 +53,9 @@ class StepThreads:
     count: int = 1
 
 
+ROPE_TABLE_ROWS = 1024  # positions in a stage's first rotary table; it doubles past them (`StageModel.rope`)
+
+
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     """[head_dim / 2] float32 inverse frequencies, with linear or Llama 3 scaling applied.
 
@@ -298,6 +301,8 @@ class StageModel(nn.Module):
         head = nn.Linear(config.hidden_size, shards.vocab_per_rank, bias=False) if last else None
         self.lm_head: nn.Module | None = head
         self.register_buffer("inv_freq", rope_inv_freq(config.rope, config.head_dim), persistent=False)
+        # By dtype: (the inv_freq it was made from, cos, sin) for positions 0 .. n - 1 (`rope`)
+        self._rope_tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.row_path: RowPath | None = None  # for a step of one token (see RowPath); layouts.py sets it
         self.decode_path: DecodePath | None = None  # for a decode batch (see DecodePath); layouts.py sets it
         self.head_screen: nn.Module | None = None  # a few greedy rows' head (head_screen.py); layouts.py sets it
@@ -319,7 +324,20 @@ class StageModel(nn.Module):
 
         The sine's first half is negated: rotary is then `x * cos + swap_halves(x) * sin`, the
         same numbers as transformers' `x * cos + rotate_half(x) * sin` (a product's sign is exact).
+        Rows of a table of every position up to the largest asked so far (a power of two, from
+        ROPE_TABLE_ROWS), made by the same operations on them all: elementwise, so the same bits
+        as made for the step's positions alone, in one indexing instead of eight small operations
+        a step (21 us of a step's fixed work on 2 cores of an Intel Xeon).
         """
+        end = int(positions.max()) + 1 if positions.numel() else 0
+        table = self._rope_tables.get(dtype)
+        if table is None or table[0] is not self.inv_freq or table[1].shape[0] < end:
+            rows = max(ROPE_TABLE_ROWS, 1 << (end - 1).bit_length())
+            table = self._rope_tables[dtype] = (self.inv_freq, *self._rope_rows(torch.arange(rows), dtype))
+        at = positions.to(self.inv_freq.device)
+        return table[1][at], table[2][at]
+
+    def _rope_rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]  # [T, d/2]
         cos, sin = freqs.cos(), freqs.sin()
         cos = torch.cat((cos, cos), dim=-1)[:, None, :]  # [T, 1, d]

@@ -350,6 +350,25 @@ def test_one_rows_rotary_gives_the_modules_numbers(tmp_path, dtype):
             assert torch.equal(got, want), (position, (got.float() - want.float()).abs().max())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_tables_give_the_bits_of_the_steps_positions_alone(tmp_path, dtype):
+    """`StageModel.rope` reads rows of a table of positions made once (grown past its 1024 rows,
+    made again for new frequencies): the same bits as computing the step's positions alone."""
+    from layerline.stage_worker.llama import StageModel
+
+    make_tiny_checkpoint("llama3", tmp_path)  # scaled frequencies: the most arithmetic
+    config = ModelConfig.from_checkpoint(tmp_path)
+    stage = StageModel(config, LayerRange(0, 1))
+    for positions in ([0], [7], [1023], [3, 4, 5, 6], [1024], [5000, 5001], [], [2]):
+        at = torch.tensor(positions, dtype=torch.long)
+        got, want = stage.rope(at, dtype), stage._rope_rows(at, dtype)
+        assert all(torch.equal(g, w) and g.shape == (len(positions), 1, config.head_dim) for g, w in zip(got, want))
+    assert stage._rope_tables[dtype][1].shape[0] == 8192  # doubled past 5001
+    stage.inv_freq = stage.inv_freq * 2  # new frequencies (as weights.py sets them): a new table
+    assert torch.equal(stage.rope(torch.tensor([9]), dtype)[0], stage._rope_rows(torch.tensor([9]), dtype)[0])
+    assert stage._rope_tables[dtype][1].shape[0] == 1024
+
+
 def test_loading_a_stage_does_not_import_torch_dynamo(tmp_path):
     """A stage is built on the meta device, where arithmetic runs torch's Python reference
     kernels; their first use imports torch._dynamo, over a second of every worker's start. The
