@@ -142,9 +142,10 @@ class ChainClient:
                 await self._stream().write(stage_pb2.StepFrame(header=header))
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as err:
                 self._pending.pop(header.step_id, None)
-                raise StepFailed(
+                why = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.aio.AioRpcError) else str(err)
+                raise StepFailed(  # one line: an AioRpcError's own text spans several (its debug string)
                     Code.UNAVAILABLE,
-                    f"stage {self.addresses[0]} is unreachable: {err}",
+                    f"stage {self.addresses[0]} is unreachable: {why}",
                     failed_address=self.addresses[0],
                 ) from None
         try:

@@ -10,8 +10,9 @@ Owns
   answered them);
 - the last stage's answer: the sampled tokens go on the coordinator's Results stream the header
   names, when that subscriber is open and not too far behind, with only an acknowledgement up
-  the chain (with the tokens drawn when the header says `run_ahead`, for the first stage to start
-  the next step with: `on_drawn`); else the whole result goes up the chain;
+  the chain (with the tokens drawn, and ahead of the result, when the header says `run_ahead` and
+  the chain has more stages: the first stage starts the next step with them, `on_drawn`); else
+  the whole result goes up the chain;
 - `Subscribers`: the open Results streams, by subscriber name.
 
 Knows nothing of how frames became steps, of where a step computes, or of gRPC status codes
@@ -80,7 +81,7 @@ class Delivery:
         hops: NextHops,
         *,
         is_last: bool,
-        is_first: bool = False,
+        is_first: bool,
         hidden_size: int,
         max_message_bytes: int,
         max_chunk_bytes: int,

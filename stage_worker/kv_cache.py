@@ -81,7 +81,7 @@ class StepLayout:
     write_slots: torch.Tensor  # [T] cache slot each new token's K and V are written to
     decode_rows: torch.Tensor  # [D] rows of single-token sequences, batched together
     decode_blocks: torch.Tensor  # [D, Bmax] their block tables, padded (whole blocks are gathered)
-    mask_dtype: torch.dtype  # the pools': of `decode_mask`
+    mask_dtype: torch.dtype  # `decode_mask`'s: the pools' dtype
     prefills: tuple[PrefillSpan, ...]  # every other sequence, one attention call each
     # The longest context of the decode batch after this step's write: no decode row attends past
     # it, so attention straight off the pools reads no further than it (paged_attention.py)
@@ -92,7 +92,8 @@ class StepLayout:
     # read as a view of the pool, without a gather and without a mask. None otherwise.
     decode_slots: slice | None = None
     # What the model derives from this layout once and reuses at every layer (paged_attention.py)
-    memo: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
+    # (a copy made by dataclasses.replace starts with an empty one: what it derived may differ)
+    memo: dict[object, object] = field(default_factory=dict, compare=False, repr=False, init=False)
 
     @property
     def num_tokens(self) -> int:

@@ -69,6 +69,26 @@ def test_without_run_ahead_or_on_one_stage_the_acknowledgement_is_bare_and_comes
         assert [r.sampled_token_id for r in result.sequences] == [17]
 
 
+def test_a_step_cancelled_after_its_acknowledgement_still_gives_the_coordinator_its_result() -> None:
+    """The acknowledgement said the coordinator has the result: a step cancelled in the turn the
+    event loop takes after it (its stream closing) queues the result all the same."""
+    delivery = _last_stage(is_first=False)
+    step, out = _step(run_ahead=True)
+
+    async def run() -> tuple[bool, list[stage_pb2.StepResult]]:
+        queue = delivery.subscribers.open("coordinator")
+
+        def answer(_: stage_pb2.StepResult) -> None:
+            task.cancel()  # the acknowledgement is up: the step is cancelled where it yields
+
+        task = asyncio.create_task(delivery.deliver(step, out, answer=answer))
+        await asyncio.wait([task])
+        return task.cancelled(), [queue.get_nowait() for _ in range(queue.qsize())]
+
+    cancelled, direct = asyncio.run(run())
+    assert cancelled and [(r.step_id, [q.sampled_token_id for q in r.sequences]) for r in direct] == [(41, [17])]
+
+
 def test_a_results_stream_closed_before_its_result_loses_it_quietly() -> None:
     async def run() -> int:
         subscribers = Subscribers()

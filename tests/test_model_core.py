@@ -352,8 +352,9 @@ def test_one_rows_rotary_gives_the_modules_numbers(tmp_path, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_tables_give_the_bits_of_the_steps_positions_alone(tmp_path, dtype):
-    """`StageModel.rope` reads rows of a table of positions made once (grown past its 1024 rows,
-    made again for new frequencies): the same bits as computing the step's positions alone."""
+    """`StageModel.rope` reads rows of a table of positions made once (1024 rows or the model's
+    context, grown to what a step asks past it, made again for new frequencies): the same bits as
+    computing the step's positions alone."""
     from layerline.stage_worker.llama import StageModel
 
     make_tiny_checkpoint("llama3", tmp_path)  # scaled frequencies: the most arithmetic
@@ -363,10 +364,11 @@ def test_rotary_tables_give_the_bits_of_the_steps_positions_alone(tmp_path, dtyp
         at = torch.tensor(positions, dtype=torch.long)
         got, want = stage.rope(at, dtype), stage._rope_rows(at, dtype)
         assert all(torch.equal(g, w) and g.shape == (len(positions), 1, config.head_dim) for g, w in zip(got, want))
-    assert stage._rope_tables[dtype][1].shape[0] == 8192  # doubled past 5001
+    assert config.max_position_embeddings == 256
+    assert stage._rope_tables[dtype][1].shape[0] == 5002  # past the context: what was asked
     stage.inv_freq = stage.inv_freq * 2  # new frequencies (as weights.py sets them): a new table
     assert torch.equal(stage.rope(torch.tensor([9]), dtype)[0], stage._rope_rows(torch.tensor([9]), dtype)[0])
-    assert stage._rope_tables[dtype][1].shape[0] == 1024
+    assert stage._rope_tables[dtype][1].shape[0] == 256  # the model's context, not 1024
 
 
 def test_loading_a_stage_does_not_import_torch_dynamo(tmp_path):

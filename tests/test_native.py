@@ -88,7 +88,7 @@ def test_bfloat16_pools_are_widened_as_they_are_read(home):
     wide = kernel(q.float(), cache.k[0], cache.v[0], batch)  # a float32 query: float32 out, not rounded
     assert wide.dtype == torch.float32 and torch.equal(wide.to(torch.bfloat16), out)
     k32, v32 = cache.k[0].float(), cache.v[0].float()
-    float_layout = dataclasses.replace(layout, mask_dtype=torch.float32, memo={})
+    float_layout = dataclasses.replace(layout, mask_dtype=torch.float32)
     torch.testing.assert_close(wide, gathered_decode_attention(q.float(), k32, v32, layout=float_layout))
     torch.testing.assert_close(wide, kernel(q.float(), k32, v32, batch))
 

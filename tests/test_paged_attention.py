@@ -101,7 +101,7 @@ def test_torchs_operations_read_up_to_the_longest_context_once_a_step(heads, kv_
     # It reads each sequence up to the batch's longest context, 15, not to its blocks' end, 16:
     # reading the masked 16th changes only the rounding of the softmax's vectorized sums.
     assert layout.decode_length == 15 and bag_indices(layout, heads=heads, kv_heads=kv_heads).mask.shape[-1] == 15
-    whole_blocks = dataclasses.replace(layout, decode_length=16, memo={})
+    whole_blocks = dataclasses.replace(layout, decode_length=16)
     padded = bagged_decode_attention(q, cache.k[0], cache.v[0], layout=whole_blocks)
     torch.testing.assert_close(out, padded, rtol=1e-6, atol=1e-7)
     # The bags' indices are made once a step and kept for every later layer.
@@ -166,6 +166,6 @@ def test_a_decode_layer_through_the_kernels_rotary_is_torchs_to_the_bit(pools_pa
             monkeypatch.setattr("layerline.stage_worker.paged_attention.rotary_kernel", lambda: None)
         k_pool, v_pool = cache.k[0].to(dtype), cache.v[0].to(dtype)
         with torch.inference_mode():
-            out = attention(x, cos, sin, k_pool=k_pool, v_pool=v_pool, layout=dataclasses.replace(layout, memo={}))
+            out = attention(x, cos, sin, k_pool=k_pool, v_pool=v_pool, layout=dataclasses.replace(layout))
         outs.append((out, k_pool, v_pool))
     assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
