@@ -101,6 +101,10 @@ class Delivery:
         local = {e.sequence_id: e for e in out.errors}
         if self.is_last:
             header = step.header
+
+            def result() -> stage_pb2.StepResult:
+                return _merge(header.step_id, order, local, _draw_results(step, out))
+
             if header.HasField("reply") and self.subscribers.takes(header.reply):
                 ack = stage_pb2.StepResult(step_id=header.step_id, replied=True)
                 if header.run_ahead and not self.is_first:  # the first stage starts the next step with the tokens
@@ -109,14 +113,12 @@ class Delivery:
                     try:
                         await asyncio.sleep(0)  # its write begins (the stream's task runs) before the result is built
                     finally:
-                        self.subscribers.reply(
-                            header.reply, _merge(header.step_id, order, local, _draw_results(step, out))
-                        )
+                        self.subscribers.reply(header.reply, result())
                     return
-                self.subscribers.reply(header.reply, _merge(header.step_id, order, local, _draw_results(step, out)))
+                self.subscribers.reply(header.reply, result())
                 answer(ack)
             else:
-                answer(_merge(header.step_id, order, local, _draw_results(step, out)))
+                answer(result())
             return
         header = _forwarded_header(step.header, kept={s.sequence_id for s in out.kept}, dropped=local)
         assert out.hidden is not None or not out.kept

@@ -53,7 +53,7 @@ class StepThreads:
     count: int = 1
 
 
-ROPE_TABLE_ROWS = 1024  # positions in a stage's first rotary table; it doubles past them (`StageModel.rope`)
+ROPE_TABLE_ROWS = 1024  # positions in a stage's first rotary table, at most its context (`StageModel.rope`)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
