@@ -4,7 +4,8 @@ One library: a decode batch's attention off the paged pools (`PagedAttentionKern
 rotary with the new keys and values written to the pools (`rotate_and_store`), RMSNorm (`rms_norm`)
 and the MLP's SiLU of the gate times the up (`silu_mul`), of kernels/paged_attention.c; bfloat16
 products on AMX tiles (tiles.c, tiles.py); float32, bfloat16 and the LM head's int8 screen on FMAs (blocks.c,
-head_screen.py), a step's layers on them in one call (layers.c, layer_stack.py); a few rows' (rows.c, int4.c).
+head_screen.py), a step's layers on them in one call (layers.c, layer_stack.py); a few rows' (rows.c, int4.c);
+each row's argmax of the logits (argmax.c, sampler.py).
 
 Owns finding a C compiler ($CC, else `cc`, else `gcc`), compiling the SOURCES for the CPU it runs
 on (`-O3 -march=native -fopenmp`, without `-march=native` where refused) into the cache
@@ -44,7 +45,7 @@ from layerline.model_store.store import cache_root
 
 log = logging.getLogger(__name__)
 
-_NAMES = "paged_attention tiles rows int4 blocks layers"
+_NAMES = "paged_attention tiles rows int4 blocks layers argmax"
 SOURCES = tuple(Path(__file__).parent / f"kernels/{n}.c" for n in _NAMES.split())
 ENV = "LAYERLINE_KERNELS"  # "auto" (the default): compile and use the kernel; "torch": torch's path only
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
@@ -78,6 +79,8 @@ SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "rows_i8": ([_P, _P, _P, _P, _P, _I, _I, _I, _INT, _P], None),
     "rows_i4_vectorized": ([], _INT),
     "rows_i4": ([_P, _P, _P, _P, _P, _I, _I, _I, _I, _INT, _P], None),
+    "argmax_vectorized": ([], _INT),
+    "argmax_rows": ([_P, _I, _I, _I, _INT, _P], None),
 }
 
 
@@ -216,21 +219,9 @@ class PagedAttentionKernel:
             if t.dtype != qkv.dtype or t.dtype not in POOL_DTYPES or t.device.type != "cpu" or not t.is_contiguous():
                 raise ValueError("rotary takes contiguous float32 or bfloat16 CPU tensors, all of one dtype")
         q = torch.empty(n, heads, d, dtype=qkv.dtype)
-        self._store(
-            qkv.data_ptr(),
-            cos.data_ptr(),
-            sin.data_ptr(),
-            slots.slots.data_ptr(),
-            qkv.dtype == torch.bfloat16,
-            n,
-            heads,
-            kvh,
-            d,
-            torch.get_num_threads(),
-            q.data_ptr(),
-            k_pool.data_ptr(),
-            v_pool.data_ptr(),
-        )
+        tensors = qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.slots.data_ptr()
+        bf16, threads = qkv.dtype == torch.bfloat16, torch.get_num_threads()
+        self._store(*tensors, bf16, n, heads, kvh, d, threads, q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr())
         return q
 
     def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:

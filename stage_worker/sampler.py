@@ -1,4 +1,4 @@
-"""Choosing the next token from the last stage's logits (pure torch).
+"""Choosing the next token from the last stage's logits (torch, and a compiled argmax for greedy rows).
 
 Owns the sampling rules: repetition penalty, temperature (0 means greedy), top-k, top-p,
 min-p, a per-request seed that makes a draw reproducible whatever else shares the batch, and
@@ -10,14 +10,20 @@ Knows nothing of sequences' storage, the network or the tokenizer.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from layerline.shared.sampling import SamplingParams
+
+from . import native, paged_attention
+
+log = logging.getLogger(__name__)
 
 TWO_ROUNDS_FROM = 8  # rows from which `greedy` reduces in two rounds
 
@@ -84,14 +90,21 @@ def greedy(logits: torch.Tensor) -> list[int]:
     """Each row's token of highest logit [B, vocab] -> B ids: `torch.argmax`'s answer (the first
     of equal maxima, a NaN where one is).
 
-    From `max` over the rows, which torch's CPU kernel reduces 2.6x as fast as `argmax`: 32 rows
-    of SmolLM2's 49152 logits 0.38 against 0.99 ms, one row 21 against 62 us (Intel Xeon, AVX-512,
-    two threads). Eight rows or more go in two rounds: each slice of `_chunk(vocab)` logits'
-    maximum (`amax`, vectorized), then `max` within the first slice holding the row's. On 2 cores
-    of an AMD EPYC (Zen 4), the logits cold after a product: 32 rows 559 against 1336 us, 16 rows
-    317 against 408, 8 rows 298 against 322; 2 and 4 rows slower (249 against 122, 247 against 180).
+    Through the compiled argmax (kernels/argmax.c) where it serves float32 CPU rows: one row of
+    SmolLM2's 49152 logits 8 us against torch's `max` 50-85, 32 rows 150 against 800 (2 cores of an
+    Intel Xeon, AVX-512; an AVX2 build of it 21 us a row there). Else from `max` over the rows, which
+    torch's CPU kernel reduces 2.6x as fast as `argmax`: 32 rows 0.38 against 0.99 ms, one row 21
+    against 62 us (Intel Xeon, AVX-512, two threads). Eight rows or more go in two rounds: each slice
+    of `_chunk(vocab)` logits' maximum (`amax`, vectorized), then `max` within the first slice holding
+    the row's. On 2 cores of an AMD EPYC (Zen 4), the logits cold after a product: 32 rows 559 against
+    1336 us, 16 rows 317 against 408, 8 rows 298 against 322; 2 and 4 rows slower (249 against 122,
+    247 against 180).
     """
     rows, vocab = logits.shape
+    if _compiled_argmax_takes(logits):
+        kernel = argmax_kernel()
+        if kernel is not None:
+            return compiled_argmax(kernel, logits)
     chunk = _chunk(vocab)
     if rows < TWO_ROUNDS_FROM or chunk is None:
         return logits.max(-1).indices.tolist()
@@ -99,6 +112,61 @@ def greedy(logits: torch.Tensor) -> list[int]:
     first = slices.amax(-1).max(-1).indices  # [B]: the first slice holding each row's maximum (or a NaN)
     within = slices[torch.arange(rows, device=logits.device), first].max(-1).indices  # [B]
     return (first * chunk + within).tolist()
+
+
+def _compiled_argmax_takes(logits: torch.Tensor) -> bool:
+    """float32 rows on the CPU, each contiguous, of 1 to 2^31 - 1 logits (the kernel's lanes count in int32)."""
+    return (
+        logits.dtype == torch.float32
+        and logits.is_cpu
+        and logits.dim() == 2
+        and 0 < logits.shape[1] < 2**31
+        and (logits.stride(1) == 1 or logits.shape[1] == 1)
+    )
+
+
+def compiled_argmax(kernel: native.PagedAttentionKernel, logits: torch.Tensor) -> list[int]:
+    """Each row's argmax through kernels/argmax.c; the caller checked `_compiled_argmax_takes`."""
+    rows = logits.shape[0]
+    out = (ctypes.c_int64 * rows)()
+    if rows:
+        kernel.unchecked["argmax_rows"](
+            logits.data_ptr(), rows, logits.shape[1], logits.stride(0), torch.get_num_threads(), out
+        )
+    return list(out)
+
+
+@functools.cache
+def argmax_kernel() -> native.PagedAttentionKernel | None:
+    """The compiled library, for greedy rows' argmax too, where its build vectorizes it (AVX2 or
+    AVX-512) and it answers as torch does on rows of ties, NaNs, infinities and signed zeros;
+    None otherwise (logged once): torch's reductions then."""
+    kernel = paged_attention.compiled_kernel()
+    if kernel is None:
+        return None
+    if not kernel.unchecked["argmax_vectorized"]():
+        log.info("greedy argmax: torch's reductions (%s has no AVX2 or AVX-512 vectors)", kernel.path)
+        return None
+    return paged_attention.exact_kernel("greedy argmax", _argmax_is_torchs, "does not answer as torch.argmax does")
+
+
+def _argmax_is_torchs(kernel: native.PagedAttentionKernel, dtype: torch.dtype) -> bool:
+    """Whether the kernel's argmax is torch's on rows (float32 whatever `dtype`) of few distinct
+    values, so that ties abound, with NaNs, infinities and signed zeros among them, whole or sliced."""
+    del dtype  # logits are float32 in every pool dtype
+    generator = torch.Generator().manual_seed(0)
+    for rows, width in ((1, 1), (1, 7), (3, 17), (5, 64), (9, 100), (2, 1031), (4, 49152)):
+        x = torch.randint(-3, 3, (rows, width), generator=generator).float()
+        pick = torch.rand(rows, width, generator=generator)
+        x[pick < 0.01] = float("nan")
+        x[(pick >= 0.01) & (pick < 0.2)] = -float("inf")
+        x[(pick >= 0.2) & (pick < 0.3)] = -0.0
+        x[(pick >= 0.3) & (pick < 0.31)] = float("inf")
+        x[0] = -float("inf")  # a row of nothing but -inf answers 0
+        for view in (x, x[:, 1:] if width > 1 else x):
+            if compiled_argmax(kernel, view) != view.max(-1).indices.tolist():
+                return False
+    return True
 
 
 @functools.cache

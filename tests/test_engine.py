@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from layerline.shared.model_config import LayerRange
+from layerline.stage_worker import paged_attention, sampler
 from layerline.stage_worker.engine import SequenceStep, StageEngine, StepInputError
 from layerline.stage_worker.kv_cache import CacheShape, KVCacheExhausted, PagedKVCache
 from layerline.stage_worker.sampler import SamplingParams, greedy, sample
@@ -182,13 +183,24 @@ def test_a_step_alone_on_its_chain_takes_the_prefill_threads(ckpt):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("path", ["compiled", "torch"])
 @pytest.mark.parametrize(("rows", "vocab"), [(1, 49152), (3, 49152), (8, 49152), (32, 49152), (9, 32000), (8, 49157)])
-def test_greedy_picks_what_argmax_picks_among_ties_infinities_and_nan(rows, vocab):
-    """From 8 rows on, 49152 and 32000 logits are reduced in slices of 1024 and 1000 first; 49157
-    has no such divisor and is reduced whole, as fewer rows are."""
+def test_greedy_picks_what_argmax_picks_among_ties_infinities_and_nan(rows, vocab, path, monkeypatch):
+    """Through the compiled argmax (kernels/argmax.c), and through torch's reductions: from 8 rows
+    on, 49152 and 32000 logits are reduced in slices of 1024 and 1000 first; 49157 has no such
+    divisor and is reduced whole, as fewer rows are."""
+    if path == "torch":
+        monkeypatch.setattr(sampler, "argmax_kernel", lambda: None)
+    elif paged_attention.compiled_kernel() is None:
+        pytest.skip("no compiled kernels here (no C compiler, or LAYERLINE_KERNELS=torch)")
+    else:
+        assert sampler.argmax_kernel() is not None  # where the library builds, its argmax serves (AVX2, AVX-512)
     gen = torch.Generator().manual_seed(rows)
     for trial in range(20):
         logits = torch.randint(-2, 3, (rows, vocab), generator=gen).float()  # ties everywhere, far apart too
+        if trial % 4 == 0:  # signed zeros are equal: the first of them
+            logits[:, :] = torch.where(torch.rand(rows, vocab, generator=gen) < 0.5, logits, -logits)
+            logits[logits > 0] = -1.0
         if trial % 4 == 1:
             logits[0, torch.randint(0, vocab, (2,), generator=gen)] = float("nan")
         if trial % 4 == 2:
