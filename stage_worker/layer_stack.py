@@ -26,6 +26,7 @@ engine or the network.
 from __future__ import annotations
 
 import ctypes
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -59,8 +60,12 @@ class LayerStack:
         self._heads, self._kv_heads, self._head_dim = shards.num_heads, shards.num_kv_heads, config.head_dim
         h, kvh, d, w = self._heads, self._kv_heads, self._head_dim, self._intermediate
         self._bound_for = {"heads": h, "SiLU width": w, "KV heads": kvh, "head_dim": d}  # a step's kernels'
+        self._bound_values = tuple(self._bound_for.values())
         # Scratch, in elements: [rows, hidden] x 4, [rows, (h + 2 kvh) d], [rows, h d] x 2, [rows, 2 w], [rows, w].
         self._widths = (self._hidden,) * 4 + ((h + 2 * kvh) * d, h * d, h * d, 2 * w, w)
+        self._checked: tuple[weakref.ref[PagedKVCache], tuple[int, int, int]] | None = None  # pools checked
+        self._scratch: tuple[int, torch.Tensor, ctypes.Array[ctypes.c_void_p]] | None = None  # rows, buffer, C array
+        self._array: tuple[list[int | None], ctypes.Array[ctypes.c_void_p]] | None = None  # the last call's pointers
 
     @classmethod
     def of(cls, model: StageModel) -> LayerStack | None:
@@ -94,37 +99,21 @@ class LayerStack:
                 f"the step's kernels: {kernels.dtype}, norms {kernels.norms}; the stack takes "
                 f"{self._dtype} with the kernels' norms"
             )
-        theirs = dict(zip(self._bound_for, (bound.heads, bound.silu_width, *bound.pool[1:]), strict=True))
-        if theirs != self._bound_for:
+        if (bound.heads, bound.silu_width, *bound.pool[1:]) != self._bound_values:
+            theirs = dict(zip(self._bound_for, (bound.heads, bound.silu_width, *bound.pool[1:]), strict=True))
             raise ValueError(f"the step's kernels were bound for {theirs}, the stack's layers have {self._bound_for}")
         if x.shape != (rows, self._hidden) or x.dtype != self._dtype or not x.is_contiguous() or not x.is_cpu:
             raise ValueError(f"rows {list(x.shape)} {x.dtype}: the stack takes [{rows}, {self._hidden}] {self._dtype}")
-        pointers: list[int | None] = []
-        for layer in self._layers:
-            pools = cache.k[layer.layer_id], cache.v[layer.layer_id]
-            for pool in pools:
-                if pool.shape != bound.pool or pool.dtype != self._dtype or not pool.is_contiguous() or not pool.is_cpu:
-                    raise ValueError(
-                        f"layer {layer.layer_id}'s pools are {list(pool.shape)} {pool.dtype} on {pool.device}, not "
-                        f"the contiguous {list(bound.pool)} {self._dtype} on the CPU the step bound"
-                    )
-            # The weights' addresses read at each call, as LaidOut reads them: a tensor's storage can be swapped.
-            pointers += [t.data_ptr() if t is not None else None for t in layer.tensors]
-            pointers += [pools[0].data_ptr(), pools[1].data_ptr()]
-        size = x.element_size()
-        offsets, total = [], 0
-        for width in self._widths:  # each buffer on a cache line of its own
-            offsets.append(total)
-            total += -(-rows * width * size // ALIGN) * ALIGN // size
-        scratch, out = torch.empty(total, dtype=self._dtype), torch.empty_like(x)
+        pointers = self._addresses(cache, bound.pool)
+        out = torch.empty_like(x)
         dims = (ctypes.c_int64 * 8)(rows, self._hidden, self._heads, self._kv_heads, self._head_dim)
         dims[5:] = [self._intermediate, bound.width, bound.block]
         failed = bound.functions["blocks_layers"](
             len(self._layers),
-            (ctypes.c_void_p * len(pointers))(*pointers),
+            self._pointers(pointers),
             dims,
             (ctypes.c_void_p * 5)(*bound.addresses),
-            (ctypes.c_void_p * len(offsets))(*(scratch.data_ptr() + o * size for o in offsets)),
+            self._scratch_for(rows),
             self._dtype == torch.bfloat16,
             self._eps,
             self._head_dim**-0.5,
@@ -137,6 +126,47 @@ class LayerStack:
             what = "scores of the attention" if failed > 0 else "a product's widened rows"
             raise MemoryError(f"the layers' kernels had no memory for the {what} of {rows} rows")
         return out
+
+    def _scratch_for(self, rows: int) -> ctypes.Array[ctypes.c_void_p]:
+        """The C's scratch buffers for `rows` rows, each on a cache line of its own: the last call's
+        again for as many rows (a stack runs one step at a time: its stage's compute thread)."""
+        if self._scratch is None or self._scratch[0] != rows:
+            size = torch.finfo(self._dtype).bits // 8
+            offsets, total = [], 0
+            for width in self._widths:
+                offsets.append(total)
+                total += -(-rows * width * size // ALIGN) * ALIGN // size
+            scratch = torch.empty(total, dtype=self._dtype)
+            addresses = (ctypes.c_void_p * len(offsets))(*(scratch.data_ptr() + o * size for o in offsets))
+            self._scratch = (rows, scratch, addresses)
+        return self._scratch[2]
+
+    def _addresses(self, cache: PagedKVCache, pool: tuple[int, int, int]) -> list[int | None]:
+        """Every layer's tensors' addresses and then its two pools', in layers.c's order, read at each
+        call as LaidOut reads them (a tensor's storage can be swapped). The pools are checked against
+        `pool`, the step's, when a cache or a pool shape is first seen (a cache makes its pools with
+        itself and keeps them: kv_cache.py), not at every step."""
+        if self._checked is None or self._checked[0]() is not cache or self._checked[1] != pool:
+            for layer in self._layers:
+                for p in (cache.k[layer.layer_id], cache.v[layer.layer_id]):
+                    if p.shape != pool or p.dtype != self._dtype or not p.is_contiguous() or not p.is_cpu:
+                        raise ValueError(
+                            f"layer {layer.layer_id}'s pools are {list(p.shape)} {p.dtype} on {p.device}, not "
+                            f"the contiguous {list(pool)} {self._dtype} on the CPU the step bound"
+                        )
+            self._checked = (weakref.ref(cache), pool)
+        k, v = cache.k, cache.v
+        return [
+            t.data_ptr() if t is not None else None
+            for layer in self._layers
+            for t in (*layer.tensors, k[layer.layer_id], v[layer.layer_id])
+        ]
+
+    def _pointers(self, pointers: list[int | None]) -> ctypes.Array[ctypes.c_void_p]:
+        """The C array of `pointers`: the last call's again where they are the same."""
+        if self._array is None or pointers != self._array[0]:
+            self._array = (pointers, (ctypes.c_void_p * len(pointers))(*pointers))
+        return self._array[1]
 
 
 def _layer(layer: nn.Module) -> _Layer | None:
