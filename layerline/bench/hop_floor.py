@@ -5,7 +5,8 @@ all of a model's layers, and two holding them split as `layerline up --stages 2`
 runs steps of one token (or of `rows` tokens, one a sequence) through the 1-stage relay and the
 2-stage one, the two taking turns every BLOCK steps within each round, so that the drift of a
 shared machine (20-40% between rounds of a minute) falls on both alike. The difference of their
-median times between steps is what one more hop costs on this machine with none of layerline's
+median times between steps (the median over rounds of each round's) is what one more hop costs
+on this machine with none of layerline's
 own work in it: no scheduler, KV cache, attention, sampling, checks or telemetry, only grpc.aio
 messages and the weights' matmuls; their ratio is the most 2 stages could keep of 1 stage's tokens
 a second. Two ways to step, as layerline steps: the driver sends every step and awaits its tokens
@@ -157,7 +158,9 @@ async def _rounds(
 class HopFloor:
     one_stage_gap_ms: float  # medians over rounds of each round's median time between tokens
     two_stages_gap_ms: float
-    added_ms_per_hop: float  # the second minus the first
+    # The second minus the first: the median of the rounds' differences (each round's 2-stage gap
+    # minus its 1-stage gap, the two measured taking turns), not the difference of the medians above.
+    added_ms_per_hop: float
     layer_ranges: list[tuple[int, int]]  # of the two stages
     rounds: int
     tokens: int  # per stream and round
@@ -169,6 +172,7 @@ class HopFloor:
     two_vs_one_stage: float = 1.0
     two_vs_one_stage_rounds: list[float] = field(default_factory=list)
     ring: bool = False  # the last stage fed the first its tokens (a lone stream run ahead), not the driver
+    added_ms_per_hop_rounds: list[float] = field(default_factory=list)  # each round's difference
 
 
 def measure_hop_floor(
@@ -240,7 +244,22 @@ def measure_hop_floor(
             proc.wait(timeout=30)
     a, b = statistics.median(one), statistics.median(two)
     within = [x / y for x, y in zip(one, two)]  # each round's 2 stages over 1, in tokens a second
-    return HopFloor(a, b, b - a, ranges, rounds, tokens, threads, rows, dtype, statistics.median(within), within, ring)
+    hops = [y - x for x, y in zip(one, two)]  # each round's extra hop, ms
+    return HopFloor(
+        a,
+        b,
+        statistics.median(hops),
+        ranges,
+        rounds,
+        tokens,
+        threads,
+        rows,
+        dtype,
+        statistics.median(within),
+        within,
+        ring,
+        hops,
+    )
 
 
 def _wait_listening(proc: subprocess.Popen[bytes], port: int) -> None:

@@ -11,7 +11,8 @@ measurements are interleaved in rounds (baseline, 1 stage, 2 stages, then the ot
 sides of every ratio alike; the budgeted ratios are also given round by round.
 A single stream's time between tokens is also split into its chain's compute, as the stages count
 it (asked of each stage after the first token and after the last), and the rest: what a hop adds
-in messages and what it adds in slower compute. Last, `hop_floor` measures the same extra hop
+in messages and what it adds in slower compute (the hop itself, 2 stages' gap minus 1's, is the
+median of the rounds' differences, as the relay's below). Last, `hop_floor` measures the same extra hop
 through a bare gRPC relay of the model's matmuls (see hop_floor.py): what this machine charges
 for a hop before any of layerline's own work, its lone row on a ring (the last stage feeds the
 first, as a lone stream's first stage runs ahead), 2 stages against 1 the floor under a lone
@@ -98,6 +99,7 @@ class BenchResult:
     client_cpu_ms_per_token: dict[str, float] = field(default_factory=dict)  # medians; client_cpu.py
     ratios: dict[str, float] = field(default_factory=dict)  # of the medians
     paired_ratios: dict[str, list[float]] = field(default_factory=dict)  # PAIRS' ratios within each round
+    paired_differences_ms: dict[str, list[float]] = field(default_factory=dict)  # the hops' within each round
     within_budget: dict[str, bool] = field(default_factory=dict)
     machine: dict[str, object] = field(default_factory=dict)  # the CPU and the kernels that served (machine.py)
 
@@ -281,6 +283,11 @@ def _judge(
     """The run's ratios (of medians, and within each round for PAIRS) and whether each is within budget."""
     s = {k: v.decode_tokens_per_s for k, v in result.single_stream.items()}
     a, c = result.aggregate_tokens_per_s, result.client_cpu_ms_per_token
+    hops = [two.median_gap_ms - one.median_gap_ms for one, two in zip(singles["1_stage"], singles["2_stages"])]
+    result.paired_differences_ms = {
+        "added_ms_per_extra_hop_per_token": hops,
+        "added_ms_per_extra_hop_per_token_bare_relay": floor.added_ms_per_hop_rounds,
+    }
     result.ratios = {
         "single_stream_1_stage_vs_transformers": s["1_stage"] / s["transformers"],
         "single_stream_2_stages_vs_1_stage": s["2_stages"] / s["1_stage"],
@@ -316,10 +323,9 @@ def _judge(
         "single_stream_screened_floor_vs_transformers": result.bandwidth_floor["screened_tokens_per_s"]
         / s["transformers"],
         "single_stream_1_stage_vs_screened_floor": s["1_stage"] / result.bandwidth_floor["screened_tokens_per_s"],
-        # The median gap between tokens, 2 stages minus 1: one more hop, the same layers.
-        "added_ms_per_extra_hop_per_token": (
-            result.single_stream["2_stages"].median_gap_ms - result.single_stream["1_stage"].median_gap_ms
-        ),
+        # The median gap between tokens, 2 stages minus 1: one more hop, the same layers. The median
+        # of the rounds' differences (the two take turns in each round), as the bare relay's below.
+        "added_ms_per_extra_hop_per_token": statistics.median(hops),
         # Its two parts (of the mean gaps): the two stages' compute over the one stage's, and the
         # rest over the rest (the hop's messages: encoding, the write, the wake-up, decoding).
         "added_ms_per_extra_hop_per_token_compute": (
