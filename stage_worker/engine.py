@@ -29,7 +29,7 @@ from .kv_cache import KVCacheExhausted, PagedKVCache
 from .llama import StageModel
 from .native import POOL_DTYPES
 from .paged_attention import compiled_kernel, rotary_kernel
-from .sampler import Draw, reads_argmax, sample
+from .sampler import Draw, argmax_kernel, reads_argmax, sample
 from .speculation import logit_rows, verify
 
 
@@ -101,6 +101,7 @@ class StageEngine:
             compiled_kernel()  # the decode batch's attention kernel compiled (or found) now, not at the first step
             rotary_kernel()  # and its rotary checked
             norm_kernel()  # and its RMSNorm
+            argmax_kernel()  # and greedy's argmax
         self.prefill_threads = prefill_threads or self.max_threads
         model.set_threads(torch.get_num_threads())  # and again each time `_use_threads` changes it
 

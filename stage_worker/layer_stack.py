@@ -39,6 +39,7 @@ from .llama import DecoderLayer, StageModel
 from .step_kernels import StepKernels
 
 ALIGN = 64  # bytes: each scratch buffer starts on a cache line
+_Checked = tuple["weakref.ref[PagedKVCache]", tuple[int, int, int], list[int | None], "ctypes.Array[ctypes.c_void_p]"]
 
 
 @dataclass(frozen=True)
@@ -63,9 +64,8 @@ class LayerStack:
         self._bound_values = tuple(self._bound_for.values())
         # Scratch, in elements: [rows, hidden] x 4, [rows, (h + 2 kvh) d], [rows, h d] x 2, [rows, 2 w], [rows, w].
         self._widths = (self._hidden,) * 4 + ((h + 2 * kvh) * d, h * d, h * d, 2 * w, w)
-        self._checked: tuple[weakref.ref[PagedKVCache], tuple[int, int, int]] | None = None  # pools checked
+        self._checked: _Checked | None = None  # the cache, pool shape and addresses last checked, and their C array
         self._scratch: tuple[int, torch.Tensor, ctypes.Array[ctypes.c_void_p]] | None = None  # rows, buffer, C array
-        self._array: tuple[list[int | None], ctypes.Array[ctypes.c_void_p]] | None = None  # the last call's pointers
 
     @classmethod
     def of(cls, model: StageModel) -> LayerStack | None:
@@ -104,13 +104,13 @@ class LayerStack:
             raise ValueError(f"the step's kernels were bound for {theirs}, the stack's layers have {self._bound_for}")
         if x.shape != (rows, self._hidden) or x.dtype != self._dtype or not x.is_contiguous() or not x.is_cpu:
             raise ValueError(f"rows {list(x.shape)} {x.dtype}: the stack takes [{rows}, {self._hidden}] {self._dtype}")
-        pointers = self._addresses(cache, bound.pool)
+        pointers = self._addresses(cache, bound.pool)  # first: a pool it refuses is never read
         out = torch.empty_like(x)
         dims = (ctypes.c_int64 * 8)(rows, self._hidden, self._heads, self._kv_heads, self._head_dim)
         dims[5:] = [self._intermediate, bound.width, bound.block]
         failed = bound.functions["blocks_layers"](
             len(self._layers),
-            self._pointers(pointers),
+            pointers,
             dims,
             (ctypes.c_void_p * 5)(*bound.addresses),
             self._scratch_for(rows),
@@ -131,6 +131,7 @@ class LayerStack:
         """The C's scratch buffers for `rows` rows, each on a cache line of its own: the last call's
         again for as many rows (a stack runs one step at a time: its stage's compute thread)."""
         if self._scratch is None or self._scratch[0] != rows:
+            self._scratch = None  # the last one freed before the next is made
             size = torch.finfo(self._dtype).bits // 8
             offsets, total = [], 0
             for width in self._widths:
@@ -141,32 +142,29 @@ class LayerStack:
             self._scratch = (rows, scratch, addresses)
         return self._scratch[2]
 
-    def _addresses(self, cache: PagedKVCache, pool: tuple[int, int, int]) -> list[int | None]:
+    def _addresses(self, cache: PagedKVCache, pool: tuple[int, int, int]) -> ctypes.Array[ctypes.c_void_p]:
         """Every layer's tensors' addresses and then its two pools', in layers.c's order, read at each
         call as LaidOut reads them (a tensor's storage can be swapped). The pools are checked against
-        `pool`, the step's, when a cache or a pool shape is first seen (a cache makes its pools with
-        itself and keeps them: kv_cache.py), not at every step."""
-        if self._checked is None or self._checked[0]() is not cache or self._checked[1] != pool:
+        `pool`, the step's, when a cache, a pool shape or an address is first seen, not at every step;
+        the C array is the last call's where nothing changed."""
+        k, v = cache.k, cache.v
+        pointers = [
+            t.data_ptr() if t is not None else None
+            for layer in self._layers
+            for t in (*layer.tensors, k[layer.layer_id], v[layer.layer_id])
+        ]
+        last = self._checked
+        if last is None or last[0]() is not cache or last[1] != pool or last[2] != pointers:
             for layer in self._layers:
-                for p in (cache.k[layer.layer_id], cache.v[layer.layer_id]):
+                for p in (k[layer.layer_id], v[layer.layer_id]):
                     if p.shape != pool or p.dtype != self._dtype or not p.is_contiguous() or not p.is_cpu:
                         raise ValueError(
                             f"layer {layer.layer_id}'s pools are {list(p.shape)} {p.dtype} on {p.device}, not "
                             f"the contiguous {list(pool)} {self._dtype} on the CPU the step bound"
                         )
-            self._checked = (weakref.ref(cache), pool)
-        k, v = cache.k, cache.v
-        return [
-            t.data_ptr() if t is not None else None
-            for layer in self._layers
-            for t in (*layer.tensors, k[layer.layer_id], v[layer.layer_id])
-        ]
-
-    def _pointers(self, pointers: list[int | None]) -> ctypes.Array[ctypes.c_void_p]:
-        """The C array of `pointers`: the last call's again where they are the same."""
-        if self._array is None or pointers != self._array[0]:
-            self._array = (pointers, (ctypes.c_void_p * len(pointers))(*pointers))
-        return self._array[1]
+            last = (weakref.ref(cache), pool, pointers, (ctypes.c_void_p * len(pointers))(*pointers))
+            self._checked = last
+        return last[3]
 
 
 def _layer(layer: nn.Module) -> _Layer | None:

@@ -104,7 +104,7 @@ def greedy(logits: torch.Tensor) -> list[int]:
     if _compiled_argmax_takes(logits):
         kernel = argmax_kernel()
         if kernel is not None:
-            return compiled_argmax(kernel, logits)
+            return _compiled_argmax(kernel, logits)
     chunk = _chunk(vocab)
     if rows < TWO_ROUNDS_FROM or chunk is None:
         return logits.max(-1).indices.tolist()
@@ -125,7 +125,7 @@ def _compiled_argmax_takes(logits: torch.Tensor) -> bool:
     )
 
 
-def compiled_argmax(kernel: native.PagedAttentionKernel, logits: torch.Tensor) -> list[int]:
+def _compiled_argmax(kernel: native.PagedAttentionKernel, logits: torch.Tensor) -> list[int]:
     """Each row's argmax through kernels/argmax.c; the caller checked `_compiled_argmax_takes`."""
     rows = logits.shape[0]
     out = (ctypes.c_int64 * rows)()
@@ -151,22 +151,47 @@ def argmax_kernel() -> native.PagedAttentionKernel | None:
 
 
 def _argmax_is_torchs(kernel: native.PagedAttentionKernel, dtype: torch.dtype) -> bool:
-    """Whether the kernel's argmax is torch's on rows (float32 whatever `dtype`) of few distinct
-    values, so that ties abound, with NaNs, infinities and signed zeros among them, whole or sliced."""
-    del dtype  # logits are float32 in every pool dtype
+    """Whether the kernel's argmax is torch's (logits are float32 whatever `dtype`): on `edge_rows`,
+    and on random rows of few distinct values, so that ties abound, with NaNs, infinities and signed
+    zeros among them, whole and sliced."""
+    del dtype  # the check is the same in every pool dtype
+    rows = edge_rows()
     generator = torch.Generator().manual_seed(0)
-    for rows, width in ((1, 1), (1, 7), (3, 17), (5, 64), (9, 100), (2, 1031), (4, 49152)):
-        x = torch.randint(-3, 3, (rows, width), generator=generator).float()
-        pick = torch.rand(rows, width, generator=generator)
-        x[pick < 0.01] = float("nan")
+    for count, width in ((1, 1), (1, 7), (3, 17), (5, 64), (9, 100), (2, 1031), (4, 49152)):
+        x = torch.randint(-3, 3, (count, width), generator=generator).float()
+        pick = torch.rand(count, width, generator=generator)
+        x[pick < 0.2 / width] = float("nan")  # in a row now and then, not in most
         x[(pick >= 0.01) & (pick < 0.2)] = -float("inf")
         x[(pick >= 0.2) & (pick < 0.3)] = -0.0
-        x[(pick >= 0.3) & (pick < 0.31)] = float("inf")
-        x[0] = -float("inf")  # a row of nothing but -inf answers 0
-        for view in (x, x[:, 1:] if width > 1 else x):
-            if compiled_argmax(kernel, view) != view.max(-1).indices.tolist():
-                return False
-    return True
+        x[(pick >= 0.3) & (pick < 0.3 + 1 / width)] = float("inf")
+        if count > 1:
+            x[0] = -float("inf")  # a row of nothing but -inf answers 0
+        rows += [x, x[:, 1:]] if width > 1 else [x]
+    return all(_compiled_argmax(kernel, x) == x.max(-1).indices.tolist() for x in rows)
+
+
+def edge_rows() -> list[torch.Tensor]:
+    """Rows whose answer lies where a vectorized argmax goes wrong: rows shorter than a vector, the
+    maximum only in the tail past the last whole vector or only in the last lane of a vector, two
+    equal maxima in different lanes, descending rows, a NaN only at index 0 or only in the tail."""
+    generator = torch.Generator().manual_seed(1)
+    rows = [torch.randn(1, width, generator=generator) for width in range(1, 18)]
+    for width in (17, 33, 49157):
+        tail = torch.randn(1, width, generator=generator)
+        tail[0, -1] = 9.0
+        rows.append(tail)
+    for lane in (7, 15, 39, 47):
+        x = torch.randn(1, 48, generator=generator)
+        x[0, lane] = 9.0
+        rows.append(x)
+    tied = torch.randn(1, 64, generator=generator)
+    tied[0, [21, 5, 50]] = 9.0
+    rows += [tied, torch.arange(49157, 0, -1, dtype=torch.float32)[None], torch.arange(20, 0, -1).float()[None]]
+    for at in (0, 49156):
+        x = torch.randn(1, 49157, generator=generator)
+        x[0, at] = float("nan")
+        rows.append(x)
+    return rows
 
 
 @functools.cache

@@ -15,6 +15,7 @@ from layerline.bench.run import BenchResult
 from layerline.stage_worker.int4_rows import int4_row_kernel
 from layerline.stage_worker.paged_attention import compiled_kernel
 from layerline.stage_worker.row_kernel import bf16_row_kernel, int8_row_kernel, row_kernel
+from layerline.stage_worker.sampler import argmax_kernel
 from layerline.stage_worker.tiles import blocks_pack, tile_kernel
 
 pytestmark = pytest.mark.timeout(120)
@@ -39,6 +40,7 @@ def test_the_bench_records_the_cpu_and_the_kernels_that_served():
         "bfloat16_row_products": "fma_blocks" if blocks_pack(bf16) else "compiled" if bf16_row_kernel() else "torch",
         "int8_row_products": "compiled" if int8_row_kernel() is not None else "torch",
         "int4_row_products": "compiled" if int4_row_kernel() is not None else "torch",
+        "greedy_argmax": "compiled" if argmax_kernel() is not None else "torch",
     }
     result = BenchResult(model="m", dtype="bfloat16", threads=2, new_tokens=1, rounds=1, machine=machine)
     assert asdict(result)["machine"]["kernels"] == machine["kernels"]  # what --json writes

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
-from layerline.bench.rounds import describe, interleaved, paired
+from layerline.bench.rounds import describe, interleaved, paired, paired_differences
 
 
 def test_odd_rounds_run_the_figures_in_reverse_order() -> None:
@@ -28,6 +30,16 @@ def test_odd_rounds_run_the_figures_in_reverse_order() -> None:
         "round 2/3 (reversed order): a 117, b 118, c 119",
         "round 3/3: a 127, b 128, c 129",
     ]
+
+
+def test_paired_differences_are_taken_within_each_round_not_between_medians() -> None:
+    """Rounds that drift apart: the median of the rounds' differences is 1, the difference of the medians 3."""
+    one, two = [1.0, 2.0, 10.0], [5.0, 3.0, 11.0]
+    assert paired_differences(two, one) == [4.0, 1.0, 1.0]
+    assert statistics.median(paired_differences(two, one)) == 1.0
+    assert statistics.median(two) - statistics.median(one) == 3.0
+    with pytest.raises(ValueError, match="as many rounds on each side: 3 and 2"):
+        paired_differences(two, one[:2])
 
 
 def test_paired_ratios_are_taken_within_each_round() -> None:

@@ -189,12 +189,7 @@ def test_greedy_picks_what_argmax_picks_among_ties_infinities_and_nan(rows, voca
     """Through the compiled argmax (kernels/argmax.c), and through torch's reductions: from 8 rows
     on, 49152 and 32000 logits are reduced in slices of 1024 and 1000 first; 49157 has no such
     divisor and is reduced whole, as fewer rows are."""
-    if path == "torch":
-        monkeypatch.setattr(sampler, "argmax_kernel", lambda: None)
-    elif paged_attention.compiled_kernel() is None:
-        pytest.skip("no compiled kernels here (no C compiler, or LAYERLINE_KERNELS=torch)")
-    else:
-        assert sampler.argmax_kernel() is not None  # where the library builds, its argmax serves (AVX2, AVX-512)
+    _argmax_path(path, monkeypatch)
     gen = torch.Generator().manual_seed(rows)
     for trial in range(20):
         logits = torch.randint(-2, 3, (rows, vocab), generator=gen).float()  # ties everywhere, far apart too
@@ -210,6 +205,30 @@ def test_greedy_picks_what_argmax_picks_among_ties_infinities_and_nan(rows, voca
         assert greedy(logits) == logits.argmax(-1).tolist()
         wide = F.pad(logits, (0, 7), value=float("nan"))[:, :vocab]  # a view whose rows are not contiguous
         assert greedy(wide) == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("path", ["compiled", "torch"])
+def test_greedy_picks_what_argmax_picks_where_a_vectorized_argmax_goes_wrong(path, monkeypatch):
+    """Short rows, a maximum only in the tail or in a vector's last lane, ties across lanes, NaN at
+    either end (sampler.edge_rows), one row at a time and as a batch of equal widths."""
+    _argmax_path(path, monkeypatch)
+    rows = sampler.edge_rows()
+    for row in rows:
+        assert greedy(row) == row.argmax(-1).tolist()
+    batch = torch.cat([row for row in rows if row.shape[1] == 49157])
+    assert greedy(batch) == batch.argmax(-1).tolist()
+
+
+def _argmax_path(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy through torch's reductions, or through the compiled argmax: asserted to serve where
+    the library builds with vectors (AVX2, AVX-512), skipped where it cannot."""
+    if path == "torch":
+        monkeypatch.setattr(sampler, "argmax_kernel", lambda: None)
+        return
+    kernel = paged_attention.compiled_kernel()
+    if kernel is None or not kernel.unchecked["argmax_vectorized"]():
+        pytest.skip("no vectorized compiled argmax here (no C compiler, no AVX2, or LAYERLINE_KERNELS=torch)")
+    assert sampler.argmax_kernel() is not None  # it passed its check against torch
 
 
 def test_greedy_and_top_k_one_agree_and_seeds_reproduce():

@@ -126,8 +126,16 @@ def test_it_refuses_rows_and_pools_it_was_not_bound_for(tmp_path, monkeypatch, d
     assert stack_of_wider is not None
     with pytest.raises(ValueError, match=r"bound for \{'heads': 6, 'SiLU width': 128, .*'SiLU width': 160"):
         real(stack_of_wider, x, kernels, cache)
-    # Pools are checked when a cache is first seen, not at every step: the refused cache's check
-    # left nothing behind, and the first cache serves again, its scratch that of as many rows.
+    # Pools are checked when a cache or an address is first seen, not at every step: the refused
+    # cache's check left nothing behind, and the first cache serves again; a pool swapped in it
+    # since (another address) is checked again, and refused.
     assert torch.equal(real(stack, x, kernels, cache), loop)
     with pytest.raises(ValueError, match=r"layer 0's pools are \[64, 2, 16\]"):
         real(stack, x, kernels, other)
+    assert torch.equal(real(stack, x, kernels, cache), loop)
+    kept_pool, cache.k[0] = cache.k[0], other.k[0]
+    try:
+        with pytest.raises(ValueError, match=r"layer 0's pools are \[64, 2, 16\]"):
+            real(stack, x, kernels, cache)
+    finally:
+        cache.k[0] = kept_pool

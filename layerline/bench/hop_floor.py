@@ -4,17 +4,15 @@ Owns `measure_hop_floor`. It starts bare relay stages as OS processes on this ma
 all of a model's layers, and two holding them split as `layerline up --stages 2` splits them. It
 runs steps of one token (or of `rows` tokens, one a sequence) through the 1-stage relay and the
 2-stage one, the two taking turns every BLOCK steps within each round, so that the drift of a
-shared machine (20-40% between rounds of a minute) falls on both alike. The difference of their
-median times between steps (the median over rounds of each round's) is what one more hop costs
-on this machine with none of layerline's
-own work in it: no scheduler, KV cache, attention, sampling, checks or telemetry, only grpc.aio
-messages and the weights' matmuls; their ratio is the most 2 stages could keep of 1 stage's tokens
-a second. Two ways to step, as layerline steps: the driver sends every step and awaits its tokens
-(a batch's steps, each scheduled by the coordinator), or, on a ring, the driver sends a block's
-first step and the last stage sends each step's tokens to the first stage, which goes on from
-them (a lone stream's, whose first stage runs its next step ahead): a token then crosses each hop
-of the chain once and no driver lies on its path.
-
+shared machine (20-40% between rounds of a minute) falls on both alike. Each round's difference of
+their median times between steps, the median of those over rounds, is what one more hop costs on
+this machine with none of layerline's own work in it: no scheduler, KV cache, attention, sampling,
+checks or telemetry, only grpc.aio messages and the weights' matmuls; their ratio is the most 2
+stages could keep of 1 stage's tokens a second. Two ways to step, as layerline steps: the driver
+sends every step and awaits its tokens (a batch's steps, each scheduled by the coordinator), or, on
+a ring, the driver sends a block's first step and the last stage sends each step's tokens to the
+first stage, which goes on from them (a lone stream's, whose first stage runs its next step ahead):
+a token then crosses each hop of the chain once and no driver lies on its path.
 A relay stage is a process of its own (relay_stage.py): the model's matmuls on random weights
 seeded by layer index, in a stage's OpenMP environment, so both relays compute the same function
 and return the same tokens; at several rows a step, and on a ring, on packed weights (oneDNN's, or
@@ -40,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 import grpc
 
 from layerline.bench.relay_stage import SERVICE, Shapes, decode_tokens, encode_tokens, raw_bytes
+from layerline.bench.rounds import paired_differences
 from layerline.launcher import split_layers
 from layerline.shared.model_config import ModelConfig
 
@@ -244,21 +243,21 @@ def measure_hop_floor(
             proc.wait(timeout=30)
     a, b = statistics.median(one), statistics.median(two)
     within = [x / y for x, y in zip(one, two)]  # each round's 2 stages over 1, in tokens a second
-    hops = [y - x for x, y in zip(one, two)]  # each round's extra hop, ms
+    hops = paired_differences(two, one)  # each round's extra hop, ms
     return HopFloor(
-        a,
-        b,
-        statistics.median(hops),
-        ranges,
-        rounds,
-        tokens,
-        threads,
-        rows,
-        dtype,
-        statistics.median(within),
-        within,
-        ring,
-        hops,
+        one_stage_gap_ms=a,
+        two_stages_gap_ms=b,
+        added_ms_per_hop=statistics.median(hops),
+        layer_ranges=ranges,
+        rounds=rounds,
+        tokens=tokens,
+        threads=threads,
+        rows=rows,
+        dtype=dtype,
+        two_vs_one_stage=statistics.median(within),
+        two_vs_one_stage_rounds=within,
+        ring=ring,
+        added_ms_per_hop_rounds=hops,
     )
 
 

@@ -5,8 +5,9 @@ records the CPU's model, its logical CPUs, the instruction sets the kernels depe
 way the stages computed: the compiled decode attention or torch's operations, bfloat16 products
 on AMX tiles (stage_worker/tiles.py) or oneDNN's, a lone float32, bfloat16 or int8 row's products
 through the compiled kernels (stage_worker/row_kernel.py) or torch's, an int4 layer's few rows
-(stage_worker/int4_rows.py) through the compiled kernels or torch's, and float32 and bfloat16
-products on FMAs in blocks (stage_worker/fma_blocks.py: every row count, a lone row too). The
+(stage_worker/int4_rows.py) through the compiled kernels or torch's, float32 and bfloat16
+products on FMAs in blocks (stage_worker/fma_blocks.py: every row count, a lone row too), and
+greedy rows' argmax through the compiled kernel (kernels/argmax.c) or torch's reductions. The
 stages decide the same way, in the same environment and kernel cache, on the same machine. Reads
 /proc/cpuinfo where there is one.
 """
@@ -27,6 +28,7 @@ def this_machine() -> dict[str, object]:
     from layerline.stage_worker.int4_rows import int4_row_kernel
     from layerline.stage_worker.paged_attention import compiled_kernel
     from layerline.stage_worker.row_kernel import bf16_row_kernel, int8_row_kernel, row_kernel
+    from layerline.stage_worker.sampler import argmax_kernel
     from layerline.stage_worker.tiles import blocks_pack, tile_kernel
 
     flags, f32, bf16 = cpu_flags(), torch.float32, torch.bfloat16
@@ -43,5 +45,6 @@ def this_machine() -> dict[str, object]:
             "bfloat16_row_products": bf16_rows,
             "int8_row_products": "compiled" if int8_row_kernel() is not None else "torch",
             "int4_row_products": "compiled" if int4_row_kernel() is not None else "torch",
+            "greedy_argmax": "compiled" if argmax_kernel() is not None else "torch",
         },
     }

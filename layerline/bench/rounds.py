@@ -10,6 +10,8 @@ one side of a ratio in every round.
 
 A ratio's headline is the ratio of the two medians. Beside it, the ratio within each round of
 two figures measured in that round (`paired`): how far the rounds agree, which the medians hide.
+A difference (the time an extra hop adds) is the median of the rounds' own (`paired_differences`):
+the drift between rounds cancels in each.
 """
 
 from __future__ import annotations
@@ -38,6 +40,13 @@ def paired(numerator: list[float], denominator: list[float]) -> list[float]:
     if len(numerator) != len(denominator):
         raise ValueError(f"paired ratios need as many rounds on each side: {len(numerator)} and {len(denominator)}")
     return [a / b for a, b in zip(numerator, denominator, strict=True)]
+
+
+def paired_differences(minuend: list[float], subtrahend: list[float]) -> list[float]:
+    """The difference within each round of two figures measured in the same rounds."""
+    if len(minuend) != len(subtrahend):
+        raise ValueError(f"paired differences need as many rounds on each side: {len(minuend)} and {len(subtrahend)}")
+    return [a - b for a, b in zip(minuend, subtrahend, strict=True)]
 
 
 def describe(ratios: list[float]) -> str:

@@ -10,20 +10,20 @@ measurements are interleaved in rounds (baseline, 1 stage, 2 stages, then the ot
 ...; rounds.py) with the median of each kept, so that the drift of a shared machine touches both
 sides of every ratio alike; the budgeted ratios are also given round by round.
 A single stream's time between tokens is also split into its chain's compute, as the stages count
-it (asked of each stage after the first token and after the last), and the rest: what a hop adds
-in messages and what it adds in slower compute (the hop itself, 2 stages' gap minus 1's, is the
-median of the rounds' differences, as the relay's below). Last, `hop_floor` measures the same extra hop
-through a bare gRPC relay of the model's matmuls (see hop_floor.py): what this machine charges
-for a hop before any of layerline's own work, its lone row on a ring (the last stage feeds the
-first, as a lone stream's first stage runs ahead), 2 stages against 1 the floor under a lone
-stream's; and the same relays at 32 rows a step, the driver sending each step as the coordinator
-sends a batch's: the floor under 32 streams on 2 stages against 1. The clusters, and how a stream
-and many are measured, are clusters.py's. Beside transformers' batch of 32, in the same
-rounds, `BatchFloor` times the model's matrix products alone at 32 rows (batch_floor.py): the
-floor under the 32-stream figures. Beside the single streams, `BandwidthFloor` times this
-process reading memory (bandwidth_floor.py): a lone token reads every weight once, so the
-weights' bytes over that speed is the floor under the single-stream figure. transformers is
-needed here only, as the baseline (baseline.py).
+it (asked of each stage after the first token and after the last), and the rest: what a hop adds in
+messages and what it adds in slower compute (the hop itself, 2 stages' gap minus 1's, is the median
+of the rounds' differences, as the relay's below: `rounds.paired_differences`). Last, `hop_floor`
+measures the same extra hop through a bare gRPC relay of the model's matmuls (see hop_floor.py):
+what this machine charges for a hop before any of layerline's own work, its lone row on a ring (the
+last stage feeds the first, as a lone stream's first stage runs ahead), 2 stages against 1 the
+floor under a lone stream's; and the same relays at 32 rows a step, the driver sending each step as
+the coordinator sends a batch's: the floor under 32 streams on 2 stages against 1. The clusters,
+and how a stream and many are measured, are clusters.py's. Beside transformers' batch of 32, in the
+same rounds, `BatchFloor` times the model's matrix products alone at 32 rows (batch_floor.py): the
+floor under the 32-stream figures. Beside the single streams, `BandwidthFloor` times this process
+reading memory (bandwidth_floor.py): a lone token reads every weight once, so the weights' bytes
+over that speed is the floor under the single-stream figure. transformers is needed here only, as
+the baseline (baseline.py).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from layerline.bench.clusters import (
 from layerline.bench.hop_floor import HopFloor, measure_hop_floor
 from layerline.bench.machine import this_machine
 from layerline.bench.openai_streams import check_http_is_grpc, http_aggregate, http_single
-from layerline.bench.rounds import describe, interleaved, paired
+from layerline.bench.rounds import describe, interleaved, paired, paired_differences
 from layerline.bench.stream import Seconds, Stream
 from layerline.launcher import ClusterPlan
 from layerline.shared.model_config import ModelConfig
@@ -283,7 +283,8 @@ def _judge(
     """The run's ratios (of medians, and within each round for PAIRS) and whether each is within budget."""
     s = {k: v.decode_tokens_per_s for k, v in result.single_stream.items()}
     a, c = result.aggregate_tokens_per_s, result.client_cpu_ms_per_token
-    hops = [two.median_gap_ms - one.median_gap_ms for one, two in zip(singles["1_stage"], singles["2_stages"])]
+    gaps = {k: [v.median_gap_ms for v in singles[k]] for k in ("1_stage", "2_stages")}
+    hops = paired_differences(gaps["2_stages"], gaps["1_stage"])
     result.paired_differences_ms = {
         "added_ms_per_extra_hop_per_token": hops,
         "added_ms_per_extra_hop_per_token_bare_relay": floor.added_ms_per_hop_rounds,
@@ -324,7 +325,8 @@ def _judge(
         / s["transformers"],
         "single_stream_1_stage_vs_screened_floor": s["1_stage"] / result.bandwidth_floor["screened_tokens_per_s"],
         # The median gap between tokens, 2 stages minus 1: one more hop, the same layers. The median
-        # of the rounds' differences (the two take turns in each round), as the bare relay's below.
+        # of the rounds' differences (each round streams through both, one after the other), as the
+        # bare relay's below.
         "added_ms_per_extra_hop_per_token": statistics.median(hops),
         # Its two parts (of the mean gaps): the two stages' compute over the one stage's, and the
         # rest over the rest (the hop's messages: encoding, the write, the wake-up, decoding).

@@ -8,14 +8,13 @@
  * One pass over a row, of independent lanes in one vector register: each lane's largest value and
  * where it first saw it, and whether it saw a NaN. torch's answer in every case: the first of
  * equal maxima (-0 and +0 are equal), the first NaN where a row holds one, index 0 in a row of -inf
- * (tests/test_sampler.py checks it against torch, and sampler.py checks this build before it trusts it).
+ * (tests/test_engine.py checks it against torch, and sampler.py checks this build before it trusts it).
  *
  * The caller checks every shape and address: x rows of `cols` >= 1 float32 logits, `stride`
  * floats apart; out [rows].
  */
 #include <stdint.h>
 #include <string.h>
-#include <omp.h>
 
 #if defined(__AVX512F__)
 #define LANES 16 /* one register */
