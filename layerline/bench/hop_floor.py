@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 import grpc
 
 from layerline.bench.relay_stage import SERVICE, Shapes, decode_tokens, encode_tokens, raw_bytes
-from layerline.bench.rounds import paired_differences
+from layerline.bench.rounds import paired, paired_differences
 from layerline.launcher import split_layers
 from layerline.shared.model_config import ModelConfig
 
@@ -242,7 +242,7 @@ def measure_hop_floor(
         for proc in procs:
             proc.wait(timeout=30)
     a, b = statistics.median(one), statistics.median(two)
-    within = [x / y for x, y in zip(one, two)]  # each round's 2 stages over 1, in tokens a second
+    within = paired(one, two)  # each round's 2 stages over 1, in tokens a second
     hops = paired_differences(two, one)  # each round's extra hop, ms
     return HopFloor(
         one_stage_gap_ms=a,
