@@ -64,8 +64,7 @@ def sample(
         if p.temperature == 0.0:
             tokens[i] = greedy(row[None])[0]
         else:
-            probs = _filtered_probs(row / p.temperature, p)
-            tokens[i] = int(torch.multinomial(probs, 1, generator=_generator(p.seed, positions[i])))
+            tokens[i] = _drawn(row / p.temperature, p, _generator(p.seed, positions[i]))
     draws = [Draw(t) for t in tokens]
     asking = [i for i, p in enumerate(params) if p.logprobs is not None]
     if asking:
@@ -211,19 +210,66 @@ def _penalize(row: torch.Tensor, history: Sequence[int], penalty: float) -> torc
     return row
 
 
-def _filtered_probs(scores: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    if p.top_k > 0 and p.top_k < scores.numel():
-        kth = torch.topk(scores, p.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
+def _drawn(scores: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
+    """A token drawn from the softmax of `scores` [vocab] (the logits over the temperature) as `_kept`
+    filters it: one uniform number through the kept probabilities' cumulative sum (`_inverse_cdf`).
+
+    On SmolLM2's 49152 logits, one row, 2 cores of an Intel Xeon (Ice Lake): temperature alone
+    1.3-2.0 ms -> 0.18-0.2, with top-p 0.9 5.7 -> 0.3-0.9, with top-k 50 1.9 -> 0.25-0.45, where
+    `torch.multinomial` drew an exponential variate for every token and top-p sorted the vocabulary."""
+    probs, ids = _kept(scores, p)
+    at = _inverse_cdf(probs, generator)
+    return at if ids is None else int(ids[at])
+
+
+def _kept(scores: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The probabilities (not renormalized) of the tokens top-k, top-p and min-p keep of the softmax
+    of `scores` [vocab], in that order (transformers'), and their token ids (None: every token, in
+    order; 0 where dropped). Top-k keeps the tokens scoring at least the k-th highest (ties with it
+    too), top-p the most likely until their probability reaches p (the one crossing it too), min-p
+    those at least min_p times the most likely one's probability. They work on candidates, not on the
+    vocabulary: `torch.topk` finds the top-k, and the top-p among the most likely 256, then 2048,
+    when those do not reach p; the whole vocabulary sorted only when those do not either."""
+    ids: torch.Tensor | None = None
+    values = scores
+    if 0 < p.top_k < scores.numel():
+        values, ids = torch.topk(scores, p.top_k)  # descending
+        tied = scores >= values[-1]
+        if int(tied.sum()) > p.top_k:  # others tie with the k-th: kept as well
+            ids = tied.nonzero().squeeze(1)
+            values, order = scores[ids].sort(descending=True)
+            ids = ids[order]
+    probs = values.softmax(-1)
     if p.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=True)
-        cumulative = sorted_scores.softmax(-1).cumsum(-1)
-        drop = cumulative - sorted_scores.softmax(-1) >= p.top_p  # keep the token crossing p
-        scores = scores.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    probs = scores.softmax(-1)
+        probs, ids = _nucleus(probs, ids, p.top_p)
     if p.min_p > 0.0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-    return probs
+    return probs, ids
+
+
+def _nucleus(probs: torch.Tensor, ids: torch.Tensor | None, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The most likely of `probs` (of the tokens `ids`, sorted descending; None: every token, in
+    order) while the probability before each is below `top_p`, and their token ids, most likely first."""
+    values, order = probs, torch.arange(probs.numel())
+    if ids is None:
+        for wanted in (256, 2048, probs.numel()):
+            values, order = torch.topk(probs, min(wanted, probs.numel()))  # descending
+            if wanted >= probs.numel() or float(values.sum()) >= top_p:
+                break
+    before = values.cumsum(-1, dtype=torch.float64) - values
+    kept = max(1, int((before < top_p).sum()))  # a prefix: `before` only grows
+    return values[:kept], (order if ids is None else ids)[:kept]
+
+
+def _inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """Index i with probability probs[i] / sum(probs): the first whose cumulative sum (in float64) passes
+    a uniform draw times the total, so a token of probability 0 is never drawn."""
+    cdf = probs.cumsum(0, dtype=torch.float64)
+    total = float(cdf[-1])
+    if not 0.0 < total < float("inf"):
+        raise ValueError(f"no token to draw: the kept probabilities sum to {total} (logits of NaN or all -inf)")
+    u = torch.rand((), generator=generator, dtype=torch.float64) * total
+    return min(int(torch.searchsorted(cdf, u.reshape(1), right=True)), probs.numel() - 1)
 
 
 def _generator(seed: int | None, position: int) -> torch.Generator | None:

@@ -1,0 +1,116 @@
+"""A sampled token's draw: the filters on candidates against the same filters on the whole vocabulary,
+and the draws against the distribution they keep (seeded, so every count here is fixed)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from layerline.shared.sampling import SamplingParams
+from layerline.stage_worker import sampler
+from layerline.stage_worker.sampler import sample
+
+
+def masked(scores: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The filters as transformers' warpers apply them, on the whole vocabulary: probabilities [vocab]."""
+    if 0 < p.top_k < scores.numel():
+        scores = scores.masked_fill(scores < torch.topk(scores, p.top_k).values[-1], float("-inf"))
+    if p.top_p < 1.0:
+        ordered, order = torch.sort(scores, descending=True)
+        probs = ordered.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= p.top_p
+        scores = scores.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    probs = scores.softmax(-1)
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    return probs / probs.sum()
+
+
+def kept(scores: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """`sampler._kept` as probabilities over the vocabulary, renormalized."""
+    probs, ids = sampler._kept(scores, p)
+    full = torch.zeros_like(scores)
+    full[torch.arange(scores.numel()) if ids is None else ids] = probs
+    return full / full.sum()
+
+
+def rows() -> list[torch.Tensor]:
+    """Peaked rows like a language model's, flat ones (top-p then needs more than 256 candidates, or
+    the whole vocabulary), and rows with -inf in them."""
+    generator = torch.Generator().manual_seed(5)
+    out = []
+    for vocab, scale in ((49152, 4.0), (49152, 0.3), (49152, 0.01), (1000, 2.0), (7, 1.0)):
+        out.append(torch.randn(vocab, generator=generator) * scale)
+    holes = torch.randn(3000, generator=generator)
+    holes[::3] = float("-inf")
+    return [*out, holes]
+
+
+@pytest.mark.parametrize("top_k", [0, 1, 5, 50, 300])
+@pytest.mark.parametrize("top_p", [1.0, 0.999, 0.9, 0.5, 0.01])
+@pytest.mark.parametrize("min_p", [0.0, 0.05])
+def test_the_candidates_keep_what_masking_the_vocabulary_keeps(top_k, top_p, min_p):
+    """The same tokens with the same probabilities, but for a few whose probabilities sum to less than
+    1e-4, at the top-p boundary of a flat row, where the two sum in different orders."""
+    p = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p)
+    for scores in rows():
+        expected, got = masked(scores, p), kept(scores, p)
+        differ = (got > 0) != (expected > 0)
+        if p.top_p < 1.0:  # at p's boundary float32 sums of thousands of terms may keep a few more or fewer
+            assert float(scores.softmax(-1)[differ].sum()) < 1e-4, (scores.numel(), p)
+        else:
+            assert not differ.any(), (scores.numel(), p)
+        assert torch.allclose(got[~differ], expected[~differ], rtol=1e-3, atol=1e-7)
+
+
+def test_tokens_tied_with_the_kth_are_kept_as_transformers_keeps_them():
+    scores = torch.tensor([3.0, 1.0, 2.0, 2.0, 0.5, 2.0, -1.0])
+    p = SamplingParams(temperature=1.0, top_k=2)  # the 2nd highest, 2.0, is tied three ways
+    assert (kept(scores, p) > 0).tolist() == [True, False, True, True, False, True, False]
+    assert torch.allclose(kept(scores, p), masked(scores, p))
+    nucleus = SamplingParams(temperature=1.0, top_k=2, top_p=0.6)  # the first two of them reach 0.6
+    assert int((kept(scores, nucleus) > 0).sum()) == 2
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, seed=11),
+        SamplingParams(temperature=0.7, top_p=0.8, seed=12),
+        SamplingParams(temperature=1.3, top_k=3, seed=13),
+        SamplingParams(temperature=1.0, min_p=0.2, seed=14),
+    ],
+)
+def test_draws_follow_the_distribution_they_keep(params):
+    """20000 seeded draws (one per position) from a row of 6 tokens: each token's count within 5
+    standard deviations of its kept probability's, and a dropped token never drawn."""
+    logits = torch.tensor([[2.0, 1.5, 0.2, -0.5, 1.0, -3.0]])
+    expected = masked(logits[0] / params.temperature, params)
+    n = 20000
+    counts = [0] * logits.shape[1]
+    for position in range(n):
+        counts[sample(logits, [params], histories=[()], positions=[position])[0].token_id] += 1
+    for count, q in zip(counts, expected.tolist()):
+        if q == 0.0:
+            assert count == 0
+        else:
+            assert abs(count - n * q) <= 5 * math.sqrt(n * q * (1 - q)) + 1, (counts, expected)
+    filtered = params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0
+    assert (min(counts) == 0) == filtered  # the filters dropped a token here, and only they did
+
+
+def test_a_seed_draws_the_same_token_whatever_shares_the_batch():
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 49152, generator=generator) * 3
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=99)
+    alone = sample(logits[2:3], [seeded], histories=[()], positions=[17])[0].token_id
+    others = [SamplingParams(temperature=0.5), SamplingParams(), seeded, SamplingParams(temperature=1.0, top_k=9)]
+    batched = sample(logits, others, histories=[()] * 4, positions=[3, 4, 17, 5])
+    assert batched[2].token_id == alone
+
+
+def test_logits_with_nothing_to_draw_are_refused_by_name():
+    with pytest.raises(ValueError, match="no token to draw"):
+        sample(torch.full((1, 8), float("nan")), [SamplingParams(temperature=1.0)], histories=[()], positions=[0])
