@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from layerline.bench.stream import Seconds, Stream
-from layerline.client import AsyncClient, Client
+from layerline.client import AsyncClient, Client, RequestOptions
 from layerline.launcher import ClusterPlan, LocalCluster
 from layerline.protos.v1 import stage_pb2, stage_pb2_grpc
 
@@ -28,6 +28,14 @@ PROMPT = "Write a long story about a dragon who learns to paint. Once upon a tim
 LONG_PROMPT = " ".join(
     f"Rule {i}: answer briefly, mention the price of bread number {i} when asked, and stay polite." for i in range(14)
 )
+
+
+def asked(n: int, *, sampled: bool = False, seed: int = 0) -> RequestOptions:
+    """A stream's options: `n` tokens, greedy, or `sampled` at chat clients' common settings
+    (temperature 0.8, top-p 0.95) with `seed`, so that each round draws what the last one drew."""
+    if sampled:
+        return RequestOptions(max_tokens=n, temperature=0.8, top_p=0.95, seed=seed)
+    return RequestOptions(max_tokens=n, temperature=0.0)
 
 
 def measured_cluster(
@@ -75,14 +83,15 @@ class StageClocks:
             channel.close()
 
 
-def cluster_single(cluster: LocalCluster, n: int) -> Stream:
+def cluster_single(cluster: LocalCluster, n: int, *, sampled: bool = False) -> Stream:
+    """A lone stream of `n` tokens (`asked`)."""
     with cluster.client() as client:
         clocks = StageClocks(cluster, client)
         try:
             start = time.perf_counter()
             arrivals: list[float] = []
             before: list[tuple[int, float]] = []
-            for chunk in client.stream(PROMPT, max_tokens=n, temperature=0.0):
+            for chunk in client.stream(PROMPT, **asked(n, sampled=sampled, seed=1)):
                 arrivals += [time.perf_counter()] * len(chunk.token_ids)
                 before = before or clocks.read()  # after the prompt's step: decode steps only from here
             after = clocks.read()
@@ -102,12 +111,14 @@ def cluster_single(cluster: LocalCluster, n: int) -> Stream:
     )
 
 
-def cluster_aggregate(cluster: LocalCluster, streams: int, n: int) -> float:
+def cluster_aggregate(cluster: LocalCluster, streams: int, n: int, *, sampled: bool = False) -> float:
+    """Tokens a second of `streams` streams of `n` tokens at once (`asked`, a seed each)."""
+
     async def run() -> float:
         async with AsyncClient(cluster.address, token=cluster.token, ca_cert=cluster.ca_cert) as client:
             start = time.perf_counter()
             done = await asyncio.gather(
-                *(client.generate(PROMPT, max_tokens=n, temperature=0.0) for _ in range(streams))
+                *(client.generate(PROMPT, **asked(n, sampled=sampled, seed=i)) for i in range(streams))
             )
             return sum(len(d.token_ids) for d in done) / (time.perf_counter() - start)
 

@@ -197,6 +197,7 @@ def run_bench(
             {
                 "transformers": lambda: baseline.single(new_tokens),
                 "1_stage": lambda: cluster_single(one, new_tokens),
+                "1_stage_sampled": lambda: cluster_single(one, new_tokens, sampled=True),
                 "2_stages": lambda: cluster_single(two, new_tokens),
                 "2_stages_http": lambda: http_single(two, PROMPT, new_tokens),
                 "1_stage_tp3": lambda: cluster_single(tp3, new_tokens),
@@ -225,6 +226,7 @@ def run_bench(
                 "matmul_floor_x32": lambda: floor32.generate(new_tokens),
                 "2_stages_x32": lambda: cluster_aggregate(two, 32, new_tokens),
                 "1_stage_x32": lambda: cluster_aggregate(one, 32, new_tokens),
+                "1_stage_x32_sampled": lambda: cluster_aggregate(one, 32, new_tokens, sampled=True),
                 "2_stages_x16": cpu.measured("2_stages_x16", lambda: cluster_aggregate(two, 16, new_tokens)),
                 "2_stages_x16_http": cpu.measured(
                     "2_stages_x16_http", lambda: http_aggregate(two, PROMPT, 16, new_tokens)
@@ -298,6 +300,9 @@ def _judge(
         "single_stream_2_stages_vs_1_stage_vs_bare_relay": s["2_stages"] / s["1_stage"] / floor.two_vs_one_stage,
         "concurrent_32_vs_transformers_batch_32": a["2_stages_x32"] / a["transformers_batch_32"],
         "concurrent_32_1_stage_vs_transformers_batch_32": a["1_stage_x32"] / a["transformers_batch_32"],
+        # What drawing costs beside greedy's argmax (temperature 0.8, top-p 0.95): on 1 stage, alone and 32 at once.
+        "single_stream_sampled_vs_greedy_1_stage": s["1_stage_sampled"] / s["1_stage"],
+        "concurrent_32_sampled_vs_greedy_1_stage": a["1_stage_x32_sampled"] / a["1_stage_x32"],
         "concurrent_32_2_stages_vs_1_stage": a["2_stages_x32"] / a["1_stage_x32"],
         # The floor under it: the bare relays at 32 rows a step, split the same way (hop_floor.py),
         # 2 stages against 1 (their rounds take turns every few steps); and ours against it.
