@@ -102,13 +102,38 @@ def test_draws_follow_the_distribution_they_keep(params):
 
 
 def test_a_seed_draws_the_same_token_whatever_shares_the_batch():
+    """Each row drawn alone and in a batch of every kind of row (greedy, temperature alone, top-p
+    through the batch's most likely 256 and past them, top-k with and without top-p, min-p, a
+    repetition penalty): the same tokens."""
     generator = torch.Generator().manual_seed(3)
-    logits = torch.randn(4, 49152, generator=generator) * 3
-    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=99)
-    alone = sample(logits[2:3], [seeded], histories=[()], positions=[17])[0].token_id
-    others = [SamplingParams(temperature=0.5), SamplingParams(), seeded, SamplingParams(temperature=1.0, top_k=9)]
-    batched = sample(logits, others, histories=[()] * 4, positions=[3, 4, 17, 5])
-    assert batched[2].token_id == alone
+    logits = torch.randn(8, 49152, generator=generator) * 3
+    logits[5] *= 0.05  # flat: its nucleus is past the most likely 256
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.95, seed=99),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, seed=5),
+        SamplingParams(temperature=1.0, top_k=9, seed=6),
+        SamplingParams(temperature=0.7, top_k=40, top_p=0.5, min_p=0.1, seed=7),
+        SamplingParams(temperature=1.2, top_p=0.9, seed=8),
+        SamplingParams(temperature=0.8, min_p=0.05, seed=9),
+        SamplingParams(temperature=0.8, repetition_penalty=1.3, top_p=0.9, seed=10),
+    ]
+    histories = [(), (), (), (), (), (), (), (1, 2, 3)]
+    positions = list(range(17, 25))
+    batched = [d.token_id for d in sample(logits, params, histories=histories, positions=positions)]
+    alone = [
+        sample(logits[i : i + 1], [params[i]], histories=[histories[i]], positions=[positions[i]])[0].token_id
+        for i in range(len(params))
+    ]
+    assert batched == alone
+    reordered = [7, 3, 0, 5]
+    again = sample(
+        logits[reordered],
+        [params[i] for i in reordered],
+        histories=[histories[i] for i in reordered],
+        positions=[positions[i] for i in reordered],
+    )
+    assert [d.token_id for d in again] == [alone[i] for i in reordered]
 
 
 def test_logits_with_nothing_to_draw_are_refused_by_name():
