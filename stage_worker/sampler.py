@@ -62,7 +62,7 @@ def sample(
             tokens[i] = greedy(row[None])[0]
     drawn = [i for i, p in enumerate(params) if p.temperature != 0.0]
     if drawn:
-        for i, t in zip(drawn, _drawn_rows(logits, params, histories, positions, drawn)):
+        for i, t in zip(drawn, _drawn_rows(logits, params, rows=drawn, histories=histories, positions=positions)):
             tokens[i] = t
     draws = [Draw(t) for t in tokens]
     asking = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -212,9 +212,10 @@ def _penalize(row: torch.Tensor, history: Sequence[int], penalty: float) -> torc
 def _drawn_rows(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
+    *,
+    rows: Sequence[int],
     histories: Sequence[Sequence[int]],
     positions: Sequence[int],
-    rows: Sequence[int],
 ) -> list[int]:
     """The tokens drawn for `rows` of `logits` (temperature above 0): each from the softmax of its
     logits over its temperature as `_kept` filters it, by one uniform number of its own generator
@@ -227,8 +228,8 @@ def _drawn_rows(
     temperature 0.8 with top-p 0.95 5.3 / 172 -> 0.49 / 7.1 (at temperature 1.2, where a nucleus often
     passes 256 tokens, 6.5 / 196 -> 0.91 / 33); temperature 0.7 with top-k 50 1.7 / 55 -> 0.37 / 9.7.
     `torch.multinomial` drew an exponential variate for every token, and top-p sorted the vocabulary."""
-    temperatures = torch.tensor([params[i].temperature for i in rows], dtype=logits.dtype)[:, None]
-    scores = (logits if len(rows) == logits.shape[0] else logits[list(rows)]) / temperatures
+    temperatures = torch.tensor([params[i].temperature for i in rows], dtype=logits.dtype, device=logits.device)
+    scores = (logits if len(rows) == logits.shape[0] else logits[list(rows)]) / temperatures[:, None]  # [R, vocab]
     for r, i in enumerate(rows):
         if params[i].repetition_penalty != 1.0 and histories[i]:
             scores[r] = _penalize(logits[i], histories[i], params[i].repetition_penalty) / params[i].temperature
@@ -272,9 +273,9 @@ def _kept(
     ids: torch.Tensor | None = None
     if 0 < p.top_k < scores.numel():
         values, ids = torch.topk(scores, p.top_k)  # descending
-        tied = scores >= values[-1]
+        tied = ~(scores < values[-1])  # a NaN too: kept, so that the row is refused as before
         if int(tied.sum()) > p.top_k:  # others tie with the k-th: kept as well
-            ids = tied.nonzero().squeeze(1)
+            ids = tied.nonzero().squeeze(1)  # [kept]
             values, order = scores[ids].sort(descending=True)
             ids = ids[order]
         probs, head = values.softmax(-1), None
@@ -298,7 +299,7 @@ def _most_likely(
     for wanted in (HEAD, 2048):
         if wanted < probs.numel():
             values, ids = head if head is not None and wanted == HEAD else torch.topk(probs, wanted)
-            if float(values.sum()) >= top_p:
+            if float(values.sum(dtype=torch.float64)) >= top_p:  # as `_kept` sums them
                 return values, ids
     values, ids = torch.sort(probs, descending=True)
     return values, ids
@@ -311,8 +312,8 @@ def _inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     total = float(cdf[-1])
     if not 0.0 < total < float("inf"):
         raise ValueError(f"no token to draw: the kept probabilities sum to {total} (logits of NaN or all -inf)")
-    u = torch.rand((), generator=generator, dtype=torch.float64) * total
-    return min(int(torch.searchsorted(cdf, u.reshape(1), right=True)), probs.numel() - 1)
+    u = torch.rand((), generator=generator, dtype=torch.float64) * total  # the generators are the CPU's
+    return min(int(torch.searchsorted(cdf, u.reshape(1).to(cdf.device), right=True)), probs.numel() - 1)
 
 
 def _generator(seed: int | None, position: int) -> torch.Generator | None:
