@@ -292,13 +292,25 @@ def test_cluster_status_counts_the_steps_each_worker_computed(cluster):
 
     with Client(cluster.address) as client:
         addresses = client.cluster().chains[0].addresses
-        with grpc.insecure_channel(
-            addresses[0]
-        ) as channel:  # drops a guess an earlier request left (and counts no step)
-            stage_pb2_grpc.StageWorkerStub(channel).Info(stage_pb2.InfoRequest(probe=True), timeout=30)
-        before = counts(addresses)
-        client.generate("Count the steps.", max_tokens=4, temperature=0.0)
-        after = counts(addresses)
+        # Both stages run each of a request's steps: its prompt's and three decodes, the first stage each
+        # decode as a guess run ahead once the last stage's acknowledgement of the step before told it the
+        # token; none after the last token. A readiness probe between two steps drops the guess, and the
+        # step is computed again; a header that overtook the acknowledgement finds no guess. On a busy
+        # machine a request's three headers can all overtake theirs: a few requests, until one takes one.
+        for _ in range(5):
+            ahead.clear()
+            with grpc.insecure_channel(addresses[0]) as channel:  # drops an earlier guess (counts no step)
+                stage_pb2_grpc.StageWorkerStub(channel).Info(stage_pb2.InfoRequest(probe=True), timeout=30)
+            before = counts(addresses)
+            client.generate("Count the steps.", max_tokens=4, temperature=0.0)
+            after = counts(addresses)
+            (used, dropped), last = (ahead[2][0] - ahead[0][0], ahead[2][1] - ahead[0][1]), ahead[3]
+            assert used + dropped <= 3 and last == (0, 0)
+            assert [a[0] - b[0] for a, b in zip(after, before)] == [4 + dropped, 4]
+            assert all(a[1] > b[1] for a, b in zip(after, before))
+            if used >= 1:
+                break
+        assert used >= 1
         deadline = time.monotonic() + 10
         while True:  # the coordinator has the counts from each worker's heartbeat, once a second
             by_address = {w.address: w.load for w in client.cluster().workers}
@@ -306,14 +318,6 @@ def test_cluster_status_counts_the_steps_each_worker_computed(cluster):
             if reported == after or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-    # Both stages ran each of the request's steps: its prompt's and three decodes, the first stage each
-    # decode as a guess run ahead once the last stage's acknowledgement of the step before told it the
-    # token; none after the last token. (A readiness probe between two steps drops the guess, and the
-    # step is computed again; a header that overtook the acknowledgement finds no guess.)
-    (used, dropped), last = (ahead[2][0] - ahead[0][0], ahead[2][1] - ahead[0][1]), ahead[3]
-    assert used >= 1 and used + dropped <= 3 and last == (0, 0)
-    assert [a[0] - b[0] for a, b in zip(after, before)] == [4 + dropped, 4]
-    assert all(a[1] > b[1] for a, b in zip(after, before))
     assert reported == after
 
 
