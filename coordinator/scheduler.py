@@ -87,6 +87,7 @@ class ChainScheduler:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
+        self._promised: tuple[Sequence, ...] = ()  # a run-ahead step's sequences: the next step is them alone
 
     @property
     def load(self) -> int:
@@ -190,6 +191,8 @@ class ChainScheduler:
             return None
         if self.in_flight == 0:
             step = replace(step, alone=True, run_ahead=self._continues(step))
+            # One micro-batch at a time: arrivals wait for the promised step (with more, they go at once)
+            self._promised = tuple(s.seq for s in step.slices) if step.run_ahead and self.depth == 1 else ()
         self.in_flight += 1
         for s in step.slices:
             s.seq.in_flight = True
@@ -200,22 +203,50 @@ class ChainScheduler:
         return step
 
     def _continues(self, step: PlannedStep) -> bool:
-        """Whether the step after `step` will be the same, its one sequence fed the token it draws
-        now: the chain's only live sequence, it samples with no penalty, drafts nothing and may go
-        on. A lone stream only: in a batch some sequence ends or joins too often for a guess to pay."""
-        if len(step.slices) != 1 or len(self.sequences) != 1:
+        """Whether the step after `step` will be the same, each sequence fed the token it draws now:
+        every live sequence of the chain is in it, each samples with no penalty, drafts nothing and
+        may go on. A batch can be so only at depth 1, where the scheduler then keeps its word
+        (`_promised`): a sequence that arrives while `step` is out joins the step after the next,
+        so the next finds the guess a first stage computed for it instead of dropping it. (Deeper,
+        an arrival's step goes at once, beside a lone stream's, and drops its guess.)"""
+        if not step.slices or len(step.slices) != len(self.sequences):
             return False
-        s = step.slices[0]
-        seq = s.seq
-        if not s.sample or s.draft or seq.speculate or seq.sampling.repetition_penalty != 1.0:
-            return False
-        return seq.max_generated is None or len(seq.generated) + 1 < seq.max_generated
+        for s in step.slices:
+            seq = s.seq
+            if not s.sample or s.draft or seq.speculate or seq.sampling.repetition_penalty != 1.0:
+                return False
+            if seq.max_generated is not None and len(seq.generated) + 1 >= seq.max_generated:
+                return False
+        return True
+
+    def _kept_promise(self, ready: list[Sequence]) -> list[Sequence] | None:
+        """The sequences the next step must hold, in the run-ahead step's order, when one is
+        promised; [] while that step is still out (nothing else is planned meanwhile); None when
+        there is no promise or it cannot be kept (a sequence of it ended, failed, or has no KV to
+        decode on: refused or preempted)."""
+        promised = tuple(seq for seq in self._promised if self._owns(seq))  # a failed step's moved on
+        if not promised:
+            self._promised = ()
+            return None
+        if any(seq.in_flight for seq in promised):
+            return []
+        kept, self._promised = len(promised) == len(self._promised), ()
+        waiting = set(map(id, ready))
+        decoding = all(id(seq) in waiting and seq.kv_tokens and len(seq.history) - seq.fed == 1 for seq in promised)
+        return list(promised) if kept and decoding else None
 
     def _plan(self) -> PlannedStep | None:
         ready = sorted((s for s in self.sequences.values() if not s.in_flight and not s.done), key=lambda s: s.arrival)
+        promised = self._kept_promise(ready)
+        if promised is not None:
+            ready = promised
         if not ready:
             return None
         plan = StepPlan(self, per_step=math.ceil(len(self.sequences) / self.depth))
+        if promised:
+            for seq in promised:
+                plan.add_running(seq)
+            return plan.step()
         decoding = [s for s in ready if s.kv_tokens and len(s.history) - s.fed == 1]
         prefilling = [s for s in ready if s.kv_tokens and len(s.history) - s.fed > 1]
         for seq in decoding + prefilling:

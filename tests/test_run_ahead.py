@@ -14,9 +14,11 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from layerline.coordinator.scheduler import PlannedStep
+from layerline.coordinator.scheduler import ChainScheduler, PlannedStep
 from layerline.coordinator.scheduler import Sequence as SchedSequence
+from layerline.coordinator.steps import StepFailed
 from layerline.protos.v1 import stage_pb2
+from layerline.shared.errors import Code
 from layerline.shared.model_config import LayerRange
 from layerline.shared.sampling import SamplingParams
 from layerline.stage_worker.compute import StageCompute
@@ -220,18 +222,59 @@ def test_the_scheduler_marks_a_step_run_ahead_only_when_its_next_is_certain_but_
     assert not first_mark(drafting)
 
 
-def test_a_step_of_two_sequences_is_not_run_ahead():
-    async def run() -> tuple[int, bool]:
+def names(step: PlannedStep) -> list[str]:
+    return [s.seq.sequence_id for s in step.slices]
+
+
+def test_a_batch_of_every_live_sequence_runs_ahead_and_one_that_arrives_joins_the_step_after_its_next():
+    async def run() -> list[tuple[list[str], bool]]:
         sender = HeldSteps()
         sched = started(sender, depth=1)
         sched.add(seq("a", [1, 2, 3]))
         sched.add(seq("b", [4, 5]))
+        await settle()  # step 0: both prompts, each drawing its first token
+        sched.add(seq("c", [6, 7, 8, 9]))  # arrives while step 0 is out: nothing else is sent meanwhile
         await settle()
-        step: PlannedStep = sender.steps[0][0]
+        assert len(sender.steps) == 1
+        for i in range(2):
+            sender.answer(i)
+            await settle()
         await sched.stop()
-        return len(step.slices), step.run_ahead
+        return [(names(step), step.run_ahead) for step, _ in sender.steps]
 
-    assert asyncio.run(run()) == (2, False)
+    # Step 1 is the one step 0 promised (a and b, in its order), so a first stage's guess serves it; c
+    # waits for it and starts in step 2, which no longer holds every live sequence alone.
+    assert asyncio.run(run()) == [(["a", "b"], True), (["a", "b"], False), (["a", "b", "c"], True)]
+
+
+def test_a_promise_is_dropped_when_one_of_its_sequences_ends_or_its_step_fails():
+    async def run(end: str) -> list[list[str]]:
+        sender = HeldSteps()
+        failed: list[list[str]] = []
+        sched = ChainScheduler(
+            sender,
+            depth=1,
+            on_step_failed=lambda seqs, err: [failed.append([s.sequence_id for s in seqs]), *map(sched.finish, seqs)],
+            release=sender.release,
+        )
+        sched.start()
+        a, b = seq("a", [1, 2, 3]), seq("b", [4, 5])
+        sched.add(a)
+        sched.add(b)
+        await settle()
+        sched.add(seq("c", [6, 7]))
+        if end == "finish":
+            sched.finish(b)  # b is cancelled while its run-ahead step is out
+            sender.answer(0)
+        else:
+            sender.steps[0][1].set_exception(StepFailed(Code.UNAVAILABLE, "gone", failed_address="x"))
+        await settle()
+        await sched.stop()
+        assert sender.steps[0][0].run_ahead
+        return [names(step) for step, _ in sender.steps[1:]] + failed
+
+    assert asyncio.run(run("finish")) == [["a", "c"]]  # the promise cannot be kept: c joins at once
+    assert asyncio.run(run("fail")) == [["c"], ["a", "b"]]  # a and b moved on; c is not held for them
 
 
 def test_a_step_that_leaves_a_sequence_waiting_is_not_run_ahead():
