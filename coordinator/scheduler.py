@@ -87,7 +87,7 @@ class ChainScheduler:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
-        self._promised: tuple[Sequence, ...] = ()  # a run-ahead step's sequences: the next step is them alone
+        self._promised: tuple[Sequence, ...] = ()  # a run-ahead step's sequence: the next step is it alone
 
     @property
     def load(self) -> int:
@@ -203,24 +203,24 @@ class ChainScheduler:
         return step
 
     def _continues(self, step: PlannedStep) -> bool:
-        """Whether the step after `step` will be the same, each sequence fed the token it draws now:
-        every live sequence of the chain is in it, each samples with no penalty, drafts nothing and
-        may go on. A batch can be so only at depth 1, where the scheduler then keeps its word
-        (`_promised`): a sequence that arrives while `step` is out joins the step after the next,
-        so the next finds the guess a first stage computed for it instead of dropping it. (Deeper,
-        an arrival's step goes at once, beside a lone stream's, and drops its guess.)"""
-        if not step.slices or len(step.slices) != len(self.sequences):
+        """Whether the step after `step` will be the same, its one sequence fed the token it draws
+        now: the chain's only live sequence, it samples with no penalty, drafts nothing and may go
+        on. At depth 1 the scheduler then keeps its word (`_promised`): a sequence that arrives
+        while `step` is out joins the step after the next, so the next finds the guess a first stage
+        computed for it instead of dropping it. (Deeper, an arrival's step goes at once and drops
+        the guess.) Batches are not run ahead: on 2 shared cores a batch's guess overlapped the
+        coordinator's and clients' work for its tokens and gained nothing (README, issue 21's
+        thirty-fourth session)."""
+        if len(step.slices) != 1 or len(self.sequences) != 1:
             return False
-        for s in step.slices:
-            seq = s.seq
-            if not s.sample or s.draft or seq.speculate or seq.sampling.repetition_penalty != 1.0:
-                return False
-            if seq.max_generated is not None and len(seq.generated) + 1 >= seq.max_generated:
-                return False
-        return True
+        s = step.slices[0]
+        seq = s.seq
+        if not s.sample or s.draft or seq.speculate or seq.sampling.repetition_penalty != 1.0:
+            return False
+        return seq.max_generated is None or len(seq.generated) + 1 < seq.max_generated
 
     def _kept_promise(self, ready: list[Sequence]) -> list[Sequence] | None:
-        """The sequences the next step must hold, in the run-ahead step's order, when one is
+        """The sequences the next step must hold, in the run-ahead step's order, when it is
         promised; [] while that step is still out (nothing else is planned meanwhile); None when
         there is no promise or it cannot be kept (a sequence of it ended, failed, or has no KV to
         decode on: refused or preempted)."""

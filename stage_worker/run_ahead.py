@@ -3,9 +3,9 @@
 Between two decode steps of a lone stream, the sampled token travels to the coordinator, which
 appends it, plans the next step and sends its header back to the first stage: about 1.1-1.3 ms a
 token on a 1-stage chain on 2 cores (a 10.5 ms bfloat16 SmolLM2 step), while the stage sits idle.
-A step whose header says `run_ahead` (the coordinator's word that, unless a sequence ends, its next
-step continues its sequences with the tokens they draw: a lone stream's, or a whole batch's, whose
-chain holds a request that arrives meanwhile for the step after) lets the first stage
+A step whose header says `run_ahead` (the coordinator's word that, unless the sequence ends, its
+next step continues it with the token it draws: at depth 1 a request that arrives meanwhile waits
+for that step) lets the first stage
 start that next step at once on its compute thread, as a guess, as soon as it knows the token:
 its own draw on a 1-stage chain, else the last stage's acknowledgement of the step, which then
 carries it. When the real header arrives it is compared with the guess: the same sequences,

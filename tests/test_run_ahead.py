@@ -226,28 +226,43 @@ def names(step: PlannedStep) -> list[str]:
     return [s.seq.sequence_id for s in step.slices]
 
 
-def test_a_batch_of_every_live_sequence_runs_ahead_and_one_that_arrives_joins_the_step_after_its_next():
-    async def run() -> list[tuple[list[str], bool]]:
+def test_a_step_of_two_sequences_is_not_run_ahead():
+    async def run() -> tuple[int, bool]:
         sender = HeldSteps()
         sched = started(sender, depth=1)
         sched.add(seq("a", [1, 2, 3]))
         sched.add(seq("b", [4, 5]))
-        await settle()  # step 0: both prompts, each drawing its first token
-        sched.add(seq("c", [6, 7, 8, 9]))  # arrives while step 0 is out: nothing else is sent meanwhile
         await settle()
-        assert len(sender.steps) == 1
-        for i in range(2):
-            sender.answer(i)
-            await settle()
+        step: PlannedStep = sender.steps[0][0]
         await sched.stop()
+        return len(step.slices), step.run_ahead
+
+    assert asyncio.run(run()) == (2, False)
+
+
+def test_a_request_that_arrives_while_a_lone_stream_runs_ahead_joins_the_step_after_the_promised_one():
+    async def run(depth: int) -> list[tuple[list[str], bool]]:
+        sender = HeldSteps()
+        sched = started(sender, depth=depth)
+        sched.add(seq("a", [1, 2, 3]))
+        await settle()  # step 0: a's prompt, drawing its first token; its next step is promised
+        sched.add(seq("b", [4, 5, 6]))  # arrives while step 0 is out
+        await settle()
+        sent = len(sender.steps)
+        sender.answer(0)
+        await settle()
+        sender.answer(1)
+        await settle()
+        await sched.stop()
+        assert sent == (1 if depth == 1 else 2)  # deeper, b's step goes at once beside a's
         return [(names(step), step.run_ahead) for step, _ in sender.steps]
 
-    # Step 1 is the one step 0 promised (a and b, in its order), so a first stage's guess serves it; c
-    # waits for it and starts in step 2, which no longer holds every live sequence alone.
-    assert asyncio.run(run()) == [(["a", "b"], True), (["a", "b"], False), (["a", "b", "c"], True)]
+    # Step 1 is the one step 0 promised, so a first stage's guess serves it; b waits for it.
+    assert asyncio.run(run(1)) == [(["a"], True), (["a"], False), (["a", "b"], False)]
+    assert asyncio.run(run(2))[:2] == [(["a"], True), (["b"], False)]
 
 
-def test_a_promise_is_dropped_when_one_of_its_sequences_ends_or_its_step_fails():
+def test_a_promise_is_dropped_when_its_sequence_ends_or_its_step_fails():
     async def run(end: str) -> list[list[str]]:
         sender = HeldSteps()
         failed: list[list[str]] = []
@@ -258,13 +273,12 @@ def test_a_promise_is_dropped_when_one_of_its_sequences_ends_or_its_step_fails()
             release=sender.release,
         )
         sched.start()
-        a, b = seq("a", [1, 2, 3]), seq("b", [4, 5])
+        a = seq("a", [1, 2, 3])
         sched.add(a)
-        sched.add(b)
         await settle()
-        sched.add(seq("c", [6, 7]))
+        sched.add(seq("b", [4, 5]))
         if end == "finish":
-            sched.finish(b)  # b is cancelled while its run-ahead step is out
+            sched.finish(a)  # a is cancelled while its run-ahead step is out
             sender.answer(0)
         else:
             sender.steps[0][1].set_exception(StepFailed(Code.UNAVAILABLE, "gone", failed_address="x"))
@@ -273,8 +287,8 @@ def test_a_promise_is_dropped_when_one_of_its_sequences_ends_or_its_step_fails()
         assert sender.steps[0][0].run_ahead
         return [names(step) for step, _ in sender.steps[1:]] + failed
 
-    assert asyncio.run(run("finish")) == [["a", "c"]]  # the promise cannot be kept: c joins at once
-    assert asyncio.run(run("fail")) == [["c"], ["a", "b"]]  # a and b moved on; c is not held for them
+    assert asyncio.run(run("finish")) == [["b"]]  # the promise cannot be kept: b starts at once
+    assert asyncio.run(run("fail")) == [["b"], ["a"]]  # a moved on; b is not held for it
 
 
 def test_a_step_that_leaves_a_sequence_waiting_is_not_run_ahead():
