@@ -87,7 +87,7 @@ class ChainScheduler:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
-        self._promised: tuple[Sequence, ...] = ()  # a run-ahead step's sequence: the next step is it alone
+        self._promised: Sequence | None = None  # a run-ahead step's sequence: the next step is it alone
 
     @property
     def load(self) -> int:
@@ -192,7 +192,7 @@ class ChainScheduler:
         if self.in_flight == 0:
             step = replace(step, alone=True, run_ahead=self._continues(step))
             # One micro-batch at a time: arrivals wait for the promised step (with more, they go at once)
-            self._promised = tuple(s.seq for s in step.slices) if step.run_ahead and self.depth == 1 else ()
+            self._promised = step.slices[0].seq if step.run_ahead and self.depth == 1 else None
         self.in_flight += 1
         for s in step.slices:
             s.seq.in_flight = True
@@ -209,8 +209,8 @@ class ChainScheduler:
         while `step` is out joins the step after the next, so the next finds the guess a first stage
         computed for it instead of dropping it. (Deeper, an arrival's step goes at once and drops
         the guess.) Batches are not run ahead: on 2 shared cores a batch's guess overlapped the
-        coordinator's and clients' work for its tokens and gained nothing (README, issue 21's
-        thirty-fourth session)."""
+        coordinator's and clients' work for its tokens and gained nothing (docs/performance.md, issue
+        21's thirty-fourth session)."""
         if len(step.slices) != 1 or len(self.sequences) != 1:
             return False
         s = step.slices[0]
@@ -219,33 +219,23 @@ class ChainScheduler:
             return False
         return seq.max_generated is None or len(seq.generated) + 1 < seq.max_generated
 
-    def _kept_promise(self, ready: list[Sequence]) -> list[Sequence] | None:
-        """The sequences the next step must hold, in the run-ahead step's order, when it is
-        promised; [] while that step is still out (nothing else is planned meanwhile); None when
-        there is no promise or it cannot be kept (a sequence of it ended, failed, or has no KV to
-        decode on: refused or preempted)."""
-        promised = tuple(seq for seq in self._promised if self._owns(seq))  # a failed step's moved on
-        if not promised:
-            self._promised = ()
+    def _kept_promise(self, ready: list[Sequence]) -> Sequence | None:
+        """The sequence the next step must hold alone, when a run-ahead step promised it and the
+        promise can be kept; None otherwise (it ended, failed over, or has no KV to decode on:
+        refused or preempted). At depth 1 nothing else is planned while that step is out."""
+        promised, self._promised = self._promised, None
+        if promised is None or not self._owns(promised) or not any(seq is promised for seq in ready):
             return None
-        if any(seq.in_flight for seq in promised):
-            return []
-        kept, self._promised = len(promised) == len(self._promised), ()
-        waiting = set(map(id, ready))
-        decoding = all(id(seq) in waiting and seq.kv_tokens and len(seq.history) - seq.fed == 1 for seq in promised)
-        return list(promised) if kept and decoding else None
+        return promised if promised.kv_tokens and len(promised.history) - promised.fed == 1 else None
 
     def _plan(self) -> PlannedStep | None:
         ready = sorted((s for s in self.sequences.values() if not s.in_flight and not s.done), key=lambda s: s.arrival)
         promised = self._kept_promise(ready)
-        if promised is not None:
-            ready = promised
         if not ready:
             return None
         plan = StepPlan(self, per_step=math.ceil(len(self.sequences) / self.depth))
-        if promised:
-            for seq in promised:
-                plan.add_running(seq)
+        if promised is not None:
+            plan.add_running(promised)
             return plan.step()
         decoding = [s for s in ready if s.kv_tokens and len(s.history) - s.fed == 1]
         prefilling = [s for s in ready if s.kv_tokens and len(s.history) - s.fed > 1]

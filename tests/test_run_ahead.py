@@ -16,7 +16,7 @@ import torch
 
 from layerline.coordinator.scheduler import ChainScheduler, PlannedStep
 from layerline.coordinator.scheduler import Sequence as SchedSequence
-from layerline.coordinator.steps import StepFailed
+from layerline.coordinator.steps import Outcome, StepFailed
 from layerline.protos.v1 import stage_pb2
 from layerline.shared.errors import Code
 from layerline.shared.model_config import LayerRange
@@ -262,16 +262,17 @@ def test_a_request_that_arrives_while_a_lone_stream_runs_ahead_joins_the_step_af
     assert asyncio.run(run(2))[:2] == [(["a"], True), (["b"], False)]
 
 
-def test_a_promise_is_dropped_when_its_sequence_ends_or_its_step_fails():
+def test_a_promise_is_dropped_when_its_sequence_ends_fails_over_or_is_refused_kv():
     async def run(end: str) -> list[list[str]]:
         sender = HeldSteps()
-        failed: list[list[str]] = []
-        sched = ChainScheduler(
-            sender,
-            depth=1,
-            on_step_failed=lambda seqs, err: [failed.append([s.sequence_id for s in seqs]), *map(sched.finish, seqs)],
-            release=sender.release,
-        )
+        moved: list[list[str]] = []
+
+        def failed(seqs: list[SchedSequence], err: StepFailed) -> None:  # as the cluster's: they leave the chain
+            moved.append([s.sequence_id for s in seqs])
+            for s in seqs:
+                sched.sequences.pop(s.sequence_id)
+
+        sched = ChainScheduler(sender, depth=1, on_step_failed=failed, release=sender.release)
         sched.start()
         a = seq("a", [1, 2, 3])
         sched.add(a)
@@ -280,15 +281,19 @@ def test_a_promise_is_dropped_when_its_sequence_ends_or_its_step_fails():
         if end == "finish":
             sched.finish(a)  # a is cancelled while its run-ahead step is out
             sender.answer(0)
-        else:
+        elif end == "fail":
             sender.steps[0][1].set_exception(StepFailed(Code.UNAVAILABLE, "gone", failed_address="x"))
+        else:  # a stage refused a's KV: it waits to be recomputed, under a new name, after a pause
+            sender.steps[0][1].set_result([Outcome(a.kv_id, error_code=Code.RESOURCE_EXHAUSTED, error_message="full")])
         await settle()
         await sched.stop()
         assert sender.steps[0][0].run_ahead
-        return [names(step) for step, _ in sender.steps[1:]] + failed
+        return [names(step) for step, _ in sender.steps[1:]] + moved
 
-    assert asyncio.run(run("finish")) == [["b"]]  # the promise cannot be kept: b starts at once
-    assert asyncio.run(run("fail")) == [["b"], ["a"]]  # a moved on; b is not held for it
+    # The promise cannot be kept: b starts at once, and nothing decodes a without its KV.
+    assert asyncio.run(run("finish")) == [["b"]]
+    assert asyncio.run(run("fail")) == [["b"], ["a"]]
+    assert asyncio.run(run("refused")) == [["b"]]
 
 
 def test_a_step_that_leaves_a_sequence_waiting_is_not_run_ahead():
