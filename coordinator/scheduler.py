@@ -219,18 +219,18 @@ class ChainScheduler:
             return False
         return seq.max_generated is None or len(seq.generated) + 1 < seq.max_generated
 
-    def _kept_promise(self, ready: list[Sequence]) -> Sequence | None:
+    def _kept_promise(self) -> Sequence | None:
         """The sequence the next step must hold alone, when a run-ahead step promised it and the
         promise can be kept; None otherwise (it ended, failed over, or has no KV to decode on:
         refused or preempted). At depth 1 nothing else is planned while that step is out."""
         promised, self._promised = self._promised, None
-        if promised is None or not self._owns(promised) or not any(seq is promised for seq in ready):
+        if promised is None or not self._owns(promised) or promised.in_flight or promised.done:
             return None
         return promised if promised.kv_tokens and len(promised.history) - promised.fed == 1 else None
 
     def _plan(self) -> PlannedStep | None:
         ready = sorted((s for s in self.sequences.values() if not s.in_flight and not s.done), key=lambda s: s.arrival)
-        promised = self._kept_promise(ready)
+        promised = self._kept_promise()
         if not ready:
             return None
         plan = StepPlan(self, per_step=math.ceil(len(self.sequences) / self.depth))
