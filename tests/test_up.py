@@ -328,30 +328,3 @@ def test_a_chain_whose_stages_take_turns_on_the_cores_binds_their_openmp_threads
         assert env(**unbound) == {"OMP_NUM_THREADS": str(unbound.get("threads", 2))}, unbound
     monkeypatch.setenv("OMP_PROC_BIND", "false")  # the user's: the stage inherits it as it is
     assert env() == {"OMP_NUM_THREADS": "2"}
-
-
-@pytest.mark.timeout(120)
-def test_a_stage_with_bound_openmp_threads_leaves_its_other_threads_on_every_core(tiny, monkeypatch, tmp_path) -> None:
-    """Under `up`'s binding (OMP_PROC_BIND=close, OMP_PLACES=cores), libgomp binds the thread that
-    loads it to the first core; the stage puts its main thread back on every core it had, so that
-    the event loop and gRPC's threads, started from it, are not confined beside the team's first
-    thread (libgomp binds the team's threads itself)."""
-    from .stage_client import StageProcess
-
-    cores = os.sched_getaffinity(0)
-    if len(cores) < 2:
-        pytest.skip("one core: nothing to bind to another")
-    monkeypatch.setenv("OMP_PROC_BIND", "close")
-    monkeypatch.setenv("OMP_PLACES", "cores")
-    monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    stage = StageProcess(tiny[0], "0:2", "--threads", "2", log_dir=tmp_path)
-    try:
-        stage.wait_serving()
-        threads = {int(t.name): t for t in Path(f"/proc/{stage.proc.pid}/task").iterdir()}
-        allowed = {tid: os.sched_getaffinity(tid) for tid in threads}
-        names = {tid: (threads[tid] / "comm").read_text().strip() for tid in threads}
-        assert allowed[stage.proc.pid] == cores, allowed
-        grpc_threads = [tid for tid, name in names.items() if name == "event_engine"]
-        assert grpc_threads and all(allowed[tid] == cores for tid in grpc_threads), (names, allowed)
-    finally:
-        assert stage.stop() == 0
