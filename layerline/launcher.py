@@ -303,8 +303,7 @@ class LocalCluster:
         bound; a lone stream on 2 stages decoded at 31.6-32.4 tok/s unbound and 32.6-33.1 bound (1
         stage: 34.0-35.2 both), 32 streams at 342-350 and 351-354 tok/s (1 stage: 364-365 and
         374-375). Every stage of the chain binds to the same cores: they compute in turn. Not
-        where stages compute at once. Only the OpenMP team is bound: the stage puts its other
-        threads back on every core (`layerline stage`, cli/servers.py)."""
+        where stages compute at once."""
         p = self.plan
         env = {"OMP_NUM_THREADS": str(self.threads)}
         takes_turns = p.replicas == 1 and p.tp == 1 and p.depth == 1 and self.chain_threads >= 2

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -326,19 +325,13 @@ def test_cluster_status_counts_the_steps_each_worker_computed(cluster):
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="a stage binds its OpenMP threads only with two or more")
 def test_each_stage_of_a_local_chain_binds_its_openmp_threads_to_cores(cluster):
     """The chain's stages take turns on this machine's cores, so each binds its OpenMP threads
-    (LocalCluster.stage_env): the team's threads run on narrower CPU sets than the machine's, at
-    least two different ones (the compute thread's, its OpenMP worker's). Only the team: libgomp
-    binds the thread that loads it, and the stage puts that one back on every core (cli/servers.py),
-    so that its event loop and gRPC's threads, started from it, are not confined beside the team's
-    first thread."""
-    everything = os.sched_getaffinity(0)
+    (LocalCluster.stage_env): its threads run on narrower CPU sets than the machine's, at least
+    two different ones (the compute thread's, its OpenMP worker's)."""
+    everything = set(range(os.cpu_count() or 1))
     for name, proc in cluster.procs:
         if not name.startswith("stage-"):
             continue
-        masks = {int(tid): frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{proc.pid}/task")}
-        names = {tid: Path(f"/proc/{proc.pid}/task/{tid}/comm").read_text().strip() for tid in masks}
-        bound = {mask for mask in masks.values() if mask < everything}
-        assert len(bound) >= 2, (name, masks)
-        assert masks[proc.pid] == everything, (name, masks)  # the main thread: the event loop
-        grpc_threads = [tid for tid in masks if names[tid] == "event_engine"]
-        assert grpc_threads and all(masks[tid] == everything for tid in grpc_threads), (name, names, masks)
+        masks = set()
+        for tid in os.listdir(f"/proc/{proc.pid}/task"):
+            masks.add(frozenset(os.sched_getaffinity(int(tid))))
+        assert len(masks) >= 2 and all(mask < everything for mask in masks), (name, masks)

@@ -55,21 +55,10 @@ def _run_stage(args: argparse.Namespace) -> int:
             health_port=args.health_port,
             orphan_ttl=args.orphan_ttl,
         )
-    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     from layerline.model_store import ModelStoreError
     from layerline.shared.model_config import ConfigError
     from layerline.stage_worker.server import run_stage
     from layerline.stage_worker.weights import CheckpointError
-
-    # Where OpenMP's threads are bound (OMP_PROC_BIND, as `up` asks where a chain's stages take turns:
-    # launcher.stage_env), libgomp binds the thread that loads it with torch, this one, to the first
-    # place, and every thread started from it would inherit that one core: the event loop, gRPC's
-    # threads, beside the team's first thread. Only the team is bound: it binds the compute thread
-    # and its helpers itself, at their first parallel region. 32 greedy streams on `up --stages 2`,
-    # 2 cores of an Intel Xeon (Ice Lake), paired rounds: 1.035x and 1.031x (10 and 8 rounds); a lone
-    # stream 1.000x, 1 stage 0.997x.
-    if cores is not None and os.sched_getaffinity(0) != cores:
-        os.sched_setaffinity(0, cores)
 
     with reported_as_errors(ConfigError, CheckpointError, ModelStoreError, ValueError, OSError):
         return run_stage(settings)
