@@ -62,6 +62,13 @@ class CacheShape:
         return cls(budget_bytes // one, block_size, num_kv_heads, head_dim)
 
 
+# A sequence's new tokens after a context, at most this many, are laid out as decode rows, one a
+# position (a speculative step verifies up to 16 drafted tokens and the token before them): each is
+# computed as it would be in a step of its own, to the bit where the kernels are (a greedy draw the
+# same with and without a draft). Longer runs (a prompt's next chunk) attend in one call each.
+MAX_DECODE_RUN = 17
+
+
 @dataclass(frozen=True)
 class PrefillSpan:
     """One sequence of a step that adds more than one token (or attends over a window)."""
@@ -79,14 +86,14 @@ class StepLayout:
     block_size: int  # token slots per KV block
     positions: torch.Tensor  # [T] absolute position of every new token
     write_slots: torch.Tensor  # [T] cache slot each new token's K and V are written to
-    decode_rows: torch.Tensor  # [D] rows of single-token sequences, batched together
+    decode_rows: torch.Tensor  # [D] decode rows (single tokens, and short runs after a context), batched together
     decode_blocks: torch.Tensor  # [D, Bmax] their block tables, padded (whole blocks are gathered)
     mask_dtype: torch.dtype  # `decode_mask`'s: the pools' dtype
     prefills: tuple[PrefillSpan, ...]  # every other sequence, one attention call each
     # The longest context of the decode batch after this step's write: no decode row attends past
     # it, so attention straight off the pools reads no further than it (paged_attention.py)
     decode_length: int
-    decode_lens: torch.Tensor  # [D] the positions each decoding sequence holds after this step's write
+    decode_lens: torch.Tensor  # [D] the positions each decode row attends over (its own the last)
     # A step of one decoding sequence whose blocks are consecutive in the pool (as a sequence's
     # blocks are, taken from a pool nobody fragmented): its context is the slots [start, stop),
     # read as a view of the pool, without a gather and without a mask. None otherwise.
@@ -115,7 +122,7 @@ class StepLayout:
 
     @property
     def decode_only(self) -> bool:
-        """Every sequence adds one token: the decode rows are all the rows, in order."""
+        """Every row is a decode row (`MAX_DECODE_RUN`): the decode rows are all the rows, in order."""
         return len(self.prefills) == 0
 
     def last_rows(self) -> torch.Tensor:
@@ -269,10 +276,14 @@ class PagedKVCache:
             positions.extend(range(start, end))
             write.extend(_slots(table, block, range(start, end)))
             windowed = sliding_window is not None and end > sliding_window
-            if n == 1 and not windowed:
-                decode_rows.append(row)
-                decode_tables.append(table[: -(-end // block)])
-                decode_lens.append(end)
+            if (n == 1 or (start > 0 and n <= MAX_DECODE_RUN)) and not windowed:
+                # A token, or a few after a context (a speculative step's drafts): a decode row each,
+                # attending over the context up to its own position, as it would alone one step at a
+                # time (the step writes every row's K and V before any row attends).
+                for i in range(n):
+                    decode_rows.append(row + i)
+                    decode_tables.append(table[: -(-(start + i + 1) // block)])
+                    decode_lens.append(start + i + 1)
             else:
                 prefills.append(_prefill_span(row, start, end, _slots(table, block, range(end)), sliding_window))
             self._lengths[seq] = end

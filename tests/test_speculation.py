@@ -15,6 +15,7 @@ from layerline.stage_worker.kv_cache import CacheShape, PagedKVCache
 from layerline.stage_worker.sampler import SamplingParams
 from layerline.stage_worker.weights import load_stage
 
+from .pipeline import LocalPipeline
 from .tiny_models import make_tiny_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -193,3 +194,18 @@ def test_the_speculate_flag_is_checked_and_explained(capsys):
         with pytest.raises(SystemExit):
             main([command, "--help"])
         assert "--speculate K" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_speculative_steps_rows_are_the_bits_of_steps_of_one_token(ckpt, dtype):
+    """A step that feeds tokens after a context (a token and its drafts) computes each row as a
+    step of that one token would, to the bit: every row's logits, in float32 and in bfloat16
+    (where a rounding apart flips greedy tokens: `layerline bench speculate --dtype bfloat16`
+    saw a greedy answer change when such a step attended as a prompt's chunk does)."""
+    stages = [load_stage(ckpt, LayerRange(0, 2), dtype=dtype), load_stage(ckpt, LayerRange(2, 4), dtype=dtype)]
+    fed = [5, 9, 30, 44, 7, 12]
+    one_at_a_time, at_once = LocalPipeline(stages), LocalPipeline(stages)
+    one_at_a_time.step({"s": PROMPT})
+    rows = torch.cat([one_at_a_time.step({"s": [t]}) for t in fed])
+    at_once.step({"s": PROMPT})
+    assert torch.equal(at_once.step({"s": fed}, all_logits=True), rows)
