@@ -221,6 +221,7 @@ class StageEngine:
             [s.sequence_id for s in out.kept],
             [s.num_tokens for s in out.kept],
             sliding_window=self.config.sliding_window,
+            drafts=[s.draft for s in out.kept],
         )
         if not self.is_last:
             out.hidden = self.model(inputs, cache=self.cache, layout=layout)

@@ -62,13 +62,6 @@ class CacheShape:
         return cls(budget_bytes // one, block_size, num_kv_heads, head_dim)
 
 
-# A sequence's new tokens after a context, at most this many, are laid out as decode rows, one a
-# position (a speculative step verifies up to 16 drafted tokens and the token before them): each is
-# computed as it would be in a step of its own, to the bit where the kernels are (a greedy draw the
-# same with and without a draft). Longer runs (a prompt's next chunk) attend in one call each.
-MAX_DECODE_RUN = 17
-
-
 @dataclass(frozen=True)
 class PrefillSpan:
     """One sequence of a step that adds more than one token (or attends over a window)."""
@@ -86,7 +79,7 @@ class StepLayout:
     block_size: int  # token slots per KV block
     positions: torch.Tensor  # [T] absolute position of every new token
     write_slots: torch.Tensor  # [T] cache slot each new token's K and V are written to
-    decode_rows: torch.Tensor  # [D] decode rows (single tokens, and short runs after a context), batched together
+    decode_rows: torch.Tensor  # [D] decode rows (single-token sequences, drafted tokens), batched together
     decode_blocks: torch.Tensor  # [D, Bmax] their block tables, padded (whole blocks are gathered)
     mask_dtype: torch.dtype  # `decode_mask`'s: the pools' dtype
     prefills: tuple[PrefillSpan, ...]  # every other sequence, one attention call each
@@ -122,7 +115,7 @@ class StepLayout:
 
     @property
     def decode_only(self) -> bool:
-        """Every row is a decode row (`MAX_DECODE_RUN`): the decode rows are all the rows, in order."""
+        """Every row is a decode row (a sequence's one token, or drafts after it): they are all the rows, in order."""
         return len(self.prefills) == 0
 
     def last_rows(self) -> torch.Tensor:
@@ -256,10 +249,18 @@ class PagedKVCache:
         seq_lens: Sequence[int],
         *,
         sliding_window: int | None = None,
+        drafts: Sequence[int] | None = None,
     ) -> StepLayout:
         """Lay out a step whose sequences were all `reserve`d, and advance their lengths.
 
-        Each sequence's new tokens take positions `length .. length + n - 1`.
+        Each sequence's new tokens take positions `length .. length + n - 1`; the last `drafts[i]`
+        of them are drafted tokens (speculative decoding). A sequence's tokens before its drafts are
+        laid out as they would be without them, and on the CPU each drafted token is a decode row
+        attending over the context up to its own position (the step writes every row's K and V
+        before any row attends): each is computed as a step of that one token would compute it, to
+        the bit where a lone row and a batch's rows go through the same kernels, so that a greedy
+        draw is the same with and without a draft. (Each such row reads its whole context; on a
+        GPU, where the decode rows' context is gathered, drafts stay in their sequence's span.)
         """
         block = self.shape.block_size
         positions: list[int] = []
@@ -269,23 +270,26 @@ class PagedKVCache:
         decode_lens: list[int] = []
         prefills: list[PrefillSpan] = []
         row = 0
-        for seq, n in zip(sequence_ids, seq_lens, strict=True):
+        for seq, n, draft in zip(sequence_ids, seq_lens, drafts or [0] * len(seq_lens), strict=True):
             start = self._lengths[seq]
             table = self._tables[seq]
             end = start + n
             positions.extend(range(start, end))
             write.extend(_slots(table, block, range(start, end)))
             windowed = sliding_window is not None and end > sliding_window
-            if (n == 1 or (start > 0 and n <= MAX_DECODE_RUN)) and not windowed:
-                # A token, or a few after a context (a speculative step's drafts): a decode row each,
-                # attending over the context up to its own position, as it would alone one step at a
-                # time (the step writes every row's K and V before any row attends).
-                for i in range(n):
-                    decode_rows.append(row + i)
-                    decode_tables.append(table[: -(-(start + i + 1) // block)])
-                    decode_lens.append(start + i + 1)
+            drafted = min(draft, n - 1) if draft and self.device.type == "cpu" and not windowed else 0
+            real = end - drafted  # the tokens before the drafts: laid out as without them
+            if real - start == 1 and not windowed:
+                decode_rows.append(row)
+                decode_tables.append(table[: -(-real // block)])
+                decode_lens.append(real)
             else:
-                prefills.append(_prefill_span(row, start, end, _slots(table, block, range(end)), sliding_window))
+                span = _slots(table, block, range(real))
+                prefills.append(_prefill_span(row, start, real, span, sliding_window))
+            for p in range(real, end):  # each drafted token: a decode row attending up to its own position
+                decode_rows.append(row + p - start)
+                decode_tables.append(table[: -(-(p + 1) // block)])
+                decode_lens.append(p + 1)
             self._lengths[seq] = end
             row += n
         width = max((len(t) for t in decode_tables), default=0)

@@ -25,8 +25,11 @@ class LocalPipeline:
         self.caches = [cache_for(s, num_blocks=num_blocks) for s in self.stages]
 
     @torch.no_grad()
-    def step(self, seqs: dict[str, list[int]], *, all_logits: bool = False) -> torch.Tensor:
-        """Feed each sequence's new token ids; returns logits (last row of each, or all rows)."""
+    def step(
+        self, seqs: dict[str, list[int]], *, all_logits: bool = False, drafts: dict[str, int] | None = None
+    ) -> torch.Tensor:
+        """Feed each sequence's new token ids (the last `drafts[s]` of them drafted); returns logits
+        (last row of each, or all rows)."""
         ids = [s for s in seqs]
         lens = [len(seqs[s]) for s in ids]
         device = next(self.stages[0].parameters()).device
@@ -34,7 +37,8 @@ class LocalPipeline:
         for stage, cache in zip(self.stages, self.caches):
             for s, n in zip(ids, lens):
                 cache.reserve(s, n)
-            layout = cache.plan_step(ids, lens, sliding_window=stage.config.sliding_window)
+            drafted = [(drafts or {}).get(s, 0) for s in ids]
+            layout = cache.plan_step(ids, lens, sliding_window=stage.config.sliding_window, drafts=drafted)
             rows = None if all_logits else layout.last_rows()
             x = stage(x, cache=cache, layout=layout, logit_rows=rows)
         return x.cpu()
