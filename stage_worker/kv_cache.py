@@ -279,14 +279,10 @@ class PagedKVCache:
             windowed = sliding_window is not None and end > sliding_window
             drafted = min(draft, n - 1) if draft and self.device.type == "cpu" and not windowed else 0
             real = end - drafted  # the tokens before the drafts: laid out as without them
-            if real - start == 1 and not windowed:
-                decode_rows.append(row)
-                decode_tables.append(table[: -(-real // block)])
-                decode_lens.append(real)
-            else:
-                span = _slots(table, block, range(real))
-                prefills.append(_prefill_span(row, start, real, span, sliding_window))
-            for p in range(real, end):  # each drafted token: a decode row attending up to its own position
+            decoded = start if real - start == 1 and not windowed else real  # the decode rows' first position
+            if decoded > start:
+                prefills.append(_prefill_span(row, start, real, _slots(table, block, range(real)), sliding_window))
+            for p in range(decoded, end):  # a lone token, then each drafted one: attending up to its own position
                 decode_rows.append(row + p - start)
                 decode_tables.append(table[: -(-(p + 1) // block)])
                 decode_lens.append(p + 1)
