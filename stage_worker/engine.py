@@ -97,11 +97,11 @@ class StageEngine:
         # A step runs on this stage's share of the cores, and one alone on its chain on the
         # cores of the whole chain: the chain's other stages wait for it meanwhile.
         self.max_threads = max_threads or torch.get_num_threads()
-        if cache.device.type == "cpu" and cache.dtype in POOL_DTYPES:
-            compiled_kernel()  # the decode batch's attention kernel compiled (or found) now, not at the first step
-            rotary_kernel()  # and its rotary checked
-            norm_kernel()  # and its RMSNorm
-            argmax_kernel()  # and greedy's argmax
+        # Every token a decode row where the kernel (compiled now, not at the first step) reads the pools.
+        pools = cache.device.type == "cpu" and cache.dtype in POOL_DTYPES
+        self.token_rows = pools and compiled_kernel() is not None
+        if pools:
+            rotary_kernel(), norm_kernel(), argmax_kernel()  # its rotary, RMSNorm, greedy's argmax checked
         self.prefill_threads = prefill_threads or self.max_threads
         model.set_threads(torch.get_num_threads())  # and again each time `_use_threads` changes it
 
@@ -222,6 +222,7 @@ class StageEngine:
             [s.num_tokens for s in out.kept],
             sliding_window=self.config.sliding_window,
             drafts=[s.draft for s in out.kept],
+            token_rows=self.token_rows,
         )
         if not self.is_last:
             out.hidden = self.model(inputs, cache=self.cache, layout=layout)

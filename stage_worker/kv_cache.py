@@ -250,6 +250,7 @@ class PagedKVCache:
         *,
         sliding_window: int | None = None,
         drafts: Sequence[int] | None = None,
+        token_rows: bool = False,
     ) -> StepLayout:
         """Lay out a step whose sequences were all `reserve`d, and advance their lengths.
 
@@ -261,15 +262,24 @@ class PagedKVCache:
         the bit where a lone row and a batch's rows go through the same kernels, so that a greedy
         draw is the same with and without a draft. (Each such row reads its whole context; on a
         GPU, where the decode rows' context is gathered, drafts stay in their sequence's span.)
+
+        `token_rows` (on the CPU): every token is such a row, a prompt's too: each token's attention
+        is then computed as a step of that one token computes it, whether it came in a whole prompt,
+        in a chunk of one, after a copied prefix, as a replayed or a drafted token or decoded: the
+        split of a sequence into steps changes no bit of it (torch's prompt kernel sums a row's
+        weights in blocks that depend on how many rows came with it). The compiled kernel computes
+        a sequence's consecutive rows together (kernels/paged_attention.c, `attend_rows`).
         """
         block = self.shape.block_size
         positions: list[int] = []
         write: list[int] = []
         decode_rows: list[int] = []
-        decode_tables: list[list[int]] = []
+        decode_tables: list[list[int]] = []  # each sequence's blocks up to its last decode row, once
+        table_of: list[int] = []  # decode row -> its sequence's entry in decode_tables
         decode_lens: list[int] = []
         prefills: list[PrefillSpan] = []
         row = 0
+        on_cpu = self.device.type == "cpu"
         for seq, n, draft in zip(sequence_ids, seq_lens, drafts or [0] * len(seq_lens), strict=True):
             start = self._lengths[seq]
             table = self._tables[seq]
@@ -277,22 +287,31 @@ class PagedKVCache:
             positions.extend(range(start, end))
             write.extend(_slots(table, block, range(start, end)))
             windowed = sliding_window is not None and end > sliding_window
-            drafted = min(draft, n - 1) if draft and self.device.type == "cpu" and not windowed else 0
+            drafted = min(draft, n - 1) if draft and on_cpu and not windowed else 0
             real = end - drafted  # the tokens before the drafts: laid out as without them
-            decoded = start if real - start == 1 and not windowed else real  # the decode rows' first position
+            if windowed:
+                decoded = real
+            elif real - start == 1 or (token_rows and on_cpu):
+                decoded = start  # the decode rows' first position
+            else:
+                decoded = real
             if decoded > start:
                 prefills.append(_prefill_span(row, start, real, _slots(table, block, range(real)), sliding_window))
+            if decoded < end:
+                decode_tables.append(table[: -(-end // block)])
             for p in range(decoded, end):  # a lone token, then each drafted one: attending up to its own position
                 decode_rows.append(row + p - start)
-                decode_tables.append(table[: -(-(p + 1) // block)])
+                table_of.append(len(decode_tables) - 1)
                 decode_lens.append(p + 1)
             self._lengths[seq] = end
             row += n
         width = max((len(t) for t in decode_tables), default=0)
         padded = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long)
-        padded = padded.view(len(decode_tables), width)  # [D, width], also where D is 0
+        padded = padded.view(len(decode_tables), width)  # [sequences, width], also where there are none
+        if len(table_of) > len(decode_tables):  # some sequence has several decode rows
+            padded = padded[torch.tensor(table_of, dtype=torch.long)]  # [D, width]
         lens = torch.tensor(decode_lens, dtype=torch.long)
-        alone = len(decode_tables) == 1 and not prefills
+        alone = len(decode_lens) == 1 and not prefills
         return StepLayout(
             seq_lens=tuple(seq_lens),
             block_size=block,

@@ -18,11 +18,13 @@ def cache_for(stage: StageModel, *, num_blocks: int = 64, block_size: int = 8) -
 
 
 class LocalPipeline:
-    """Stages run in order in one process, each with its own cache."""
+    """Stages run in order in one process, each with its own cache. `token_rows`: every token a
+    decode row, as a stage worker lays steps out where its compiled kernel reads the pools."""
 
-    def __init__(self, stages: Sequence[StageModel], *, num_blocks: int = 64) -> None:
+    def __init__(self, stages: Sequence[StageModel], *, num_blocks: int = 64, token_rows: bool = False) -> None:
         self.stages = list(stages)
         self.caches = [cache_for(s, num_blocks=num_blocks) for s in self.stages]
+        self.token_rows = token_rows
 
     @torch.no_grad()
     def step(
@@ -38,7 +40,8 @@ class LocalPipeline:
             for s, n in zip(ids, lens):
                 cache.reserve(s, n)
             drafted = [(drafts or {}).get(s, 0) for s in ids]
-            layout = cache.plan_step(ids, lens, sliding_window=stage.config.sliding_window, drafts=drafted)
+            window = stage.config.sliding_window
+            layout = cache.plan_step(ids, lens, sliding_window=window, drafts=drafted, token_rows=self.token_rows)
             rows = None if all_logits else layout.last_rows()
             x = stage(x, cache=cache, layout=layout, logit_rows=rows)
         return x.cpu()

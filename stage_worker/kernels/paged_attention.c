@@ -113,12 +113,14 @@ static inline float lane_sum(lanes16 v) {
 
 /* q . k over d: for d a (nonzero) multiple of 16, a running sum per lane, the lanes added pairwise
  * at the end; otherwise lane by lane. */
+static inline lanes16 dot_lanes(const float *restrict q, const float *restrict k, int64_t d) {
+    lanes16 acc = load16(q) * load16(k);
+    for (int64_t i = 16; i < d; i += 16) acc += load16(q + i) * load16(k + i);
+    return acc;
+}
+
 static inline float dot(const float *restrict q, const float *restrict k, int64_t d) {
-    if (d >= 16 && d % 16 == 0) {
-        lanes16 acc = load16(q) * load16(k);
-        for (int64_t i = 16; i < d; i += 16) acc += load16(q + i) * load16(k + i);
-        return lane_sum(acc);
-    }
+    if (d >= 16 && d % 16 == 0) return lane_sum(dot_lanes(q, k, d));
     float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
     for (int64_t i = 0; i < d; ++i) acc += q[i] * k[i];
@@ -131,6 +133,36 @@ static inline void axpy(float *restrict o, float w, const float *restrict v, int
     for (int64_t i = 0; i < d; ++i) o[i] += w * v[i];
 }
 
+/* Lanes of two vectors picked into one: lane i is lane m[i] of a, or of b from 16 on. */
+typedef int32_t picks16 __attribute__((vector_size(64)));
+#if defined(__clang__)
+#define PICK(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define PICK(a, b, ...) __builtin_shuffle(a, b, (picks16){__VA_ARGS__})
+#endif
+
+/* q . k[t * stride ..] for 16 keys t, into out[t]: each summed as `dot` sums it (`dot_lanes`, then
+ * `lane_sum`'s tree: halves, quarters, then (a0 + a2) + (a1 + a3)), the sixteen trees taken a level
+ * at a time across vectors instead of one vector's lanes after another's. For d a multiple of 16. */
+static inline void dots16(const float *restrict q, const float *restrict k, int64_t stride, int64_t d,
+                          float *restrict out) {
+    lanes16 acc[16], half[8], quarter[4], pairs[2];
+    for (int t = 0; t < 16; ++t) acc[t] = dot_lanes(q, k + t * stride, d);
+    for (int m = 0; m < 8; ++m) /* lanes 0-7 + 8-15 of dot 2m, then of dot 2m + 1 */
+        half[m] = PICK(acc[2 * m], acc[2 * m + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                  PICK(acc[2 * m], acc[2 * m + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int m = 0; m < 4; ++m) /* then 0-3 + 4-7 of each: four lanes for each of dots 4m .. 4m + 3 */
+        quarter[m] = PICK(half[2 * m], half[2 * m + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                     PICK(half[2 * m], half[2 * m + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int m = 0; m < 2; ++m) /* then a0 + a2 and a1 + a3 of each of dots 8m .. 8m + 7 */
+        pairs[m] = PICK(quarter[2 * m], quarter[2 * m + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+                   PICK(quarter[2 * m], quarter[2 * m + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    const lanes16 sums = PICK(pairs[0], pairs[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+                         PICK(pairs[0], pairs[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    memcpy(out, &sums, sizeof sums);
+}
+#undef PICK
+
 /* `count` elements of a pool from `rows` as float32: the pool's own memory where it holds float32,
  * else widened into `wide` once, for every query head that reads them (a group of them reads each
  * kv head's row). */
@@ -140,6 +172,23 @@ static inline const float *as_float(const char *restrict rows, int64_t count, in
 #pragma omp simd
     for (int64_t i = 0; i < count; ++i) wide[i] = widen(b[i]);
     return wide;
+}
+
+/* Each of the h rows of `len` scores (row j at scores + j * len) made its softmax in place: its
+ * maximum subtracted, e^ of each, each times one reciprocal of their sum. */
+static inline __attribute__((always_inline)) void softmax(float *restrict scores, int64_t h, int64_t len) {
+    for (int64_t j = 0; j < h; ++j) {
+        float *s = scores + j * len, top = -FLT_MAX, sum = 0.f;
+#pragma omp simd reduction(max : top)
+        for (int64_t p = 0; p < len; ++p) top = s[p] > top ? s[p] : top;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t p = 0; p < len; ++p) {
+            s[p] = exp_nonpositive(s[p] - top);
+            sum += s[p];
+        }
+        const float inverse = 1.f / sum;
+        for (int64_t p = 0; p < len; ++p) s[p] *= inverse;
+    }
 }
 
 /* One sequence of `len` positions whose blocks are `table`: out [h, d] from q [h, d]. `scores`
@@ -164,18 +213,7 @@ static inline __attribute__((always_inline)) void attend(const float *restrict q
                     scores[j * len + p0 + t] = dot(q + j * d, keys + (t * kvh + g) * d, d) * scale;
         }
     }
-    for (int64_t j = 0; j < h; ++j) {
-        float *s = scores + j * len, top = -FLT_MAX, sum = 0.f;
-#pragma omp simd reduction(max : top)
-        for (int64_t p = 0; p < len; ++p) top = s[p] > top ? s[p] : top;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t p = 0; p < len; ++p) {
-            s[p] = exp_nonpositive(s[p] - top);
-            sum += s[p];
-        }
-        const float inverse = 1.f / sum;
-        for (int64_t p = 0; p < len; ++p) s[p] *= inverse;
-    }
+    softmax(scores, h, len);
     memset(out, 0, sizeof(float) * (size_t)(h * d));
     for (int64_t b = 0, p0 = 0; p0 < len; ++b, p0 += block) {
         const int64_t n = len - p0 < block ? len - p0 : block;
@@ -204,10 +242,138 @@ static void attend_one(const float *restrict q, const char *restrict k_pool, con
 #undef ATTEND
 }
 
+/* For each of `heads` (1 to 4) query heads i: o[i * d ..] += w[i * len + t] * v[t * stride ..] for
+ * t < n, in that order: `axpy` n times a head, each element's sums rounded as axpy rounds them.
+ * Where d is 64 the heads' sums are held in registers across the n keys, side by side (one head's
+ * are a chain of dependent multiply-adds, as long as its keys). */
+static inline __attribute__((always_inline)) void weigh(float *restrict o, const float *restrict w, int64_t len,
+                                                        const float *restrict v, int64_t stride, int64_t n,
+                                                        int64_t heads, const int64_t d) {
+    if (d != 64) {
+        for (int64_t i = 0; i < heads; ++i)
+            for (int64_t t = 0; t < n; ++t) axpy(o + i * d, w[i * len + t], v + t * stride, d);
+        return;
+    }
+    lanes16 a[4][4];
+    for (int64_t i = 0; i < heads; ++i)
+        for (int c = 0; c < 4; ++c) a[i][c] = load16(o + i * d + 16 * c);
+    for (int64_t t = 0; t < n; ++t) {
+        const float *x = v + t * stride;
+        const lanes16 x0 = load16(x), x1 = load16(x + 16), x2 = load16(x + 32), x3 = load16(x + 48);
+        for (int64_t i = 0; i < heads; ++i) {
+            const float wt = w[i * len + t];
+            a[i][0] += wt * x0;
+            a[i][1] += wt * x1;
+            a[i][2] += wt * x2;
+            a[i][3] += wt * x3;
+        }
+    }
+    for (int64_t i = 0; i < heads; ++i)
+        for (int c = 0; c < 4; ++c) memcpy(o + i * d + 16 * c, &a[i][c], sizeof a[i][c]);
+}
+
+/* `count` rows of one sequence at consecutive positions, each as `attend` computes it alone: row r
+ * attends over the first `first + r` positions of `table`, q [count, h, d] -> out [count, h, d].
+ * Row r's scores start `stride` floats (a multiple of 16) after row r - 1's, each head's at j *
+ * its own length, as `attend` lays them out: every dot product, every softmax and every sum is
+ * `attend`'s, in its order, so each row comes out to the bit as it would alone. What the rows
+ * share is the reading: each block of keys and values is read (and widened) once for all of them,
+ * not once a row, and each key is used by every row that attends to it while it is at hand. */
+static inline __attribute__((always_inline)) void attend_rows(const float *restrict q, const char *restrict k_pool,
+                                                              const char *restrict v_pool, const int bf16,
+                                                              const int64_t *restrict table, int64_t first,
+                                                              int64_t count, int64_t block, int64_t h, int64_t kvh,
+                                                              const int64_t d, float scale, float *restrict scores,
+                                                              int64_t stride, float *restrict wide,
+                                                              float *restrict out) {
+    const int64_t group = h / kvh, size = bf16 ? 2 : 4, row = kvh * d * size, last = first + count - 1;
+    for (int64_t b = 0, p0 = 0; p0 < last; ++b, p0 += block) {
+        const int64_t n = last - p0 < block ? last - p0 : block;
+        const float *keys = as_float(k_pool + table[b] * block * row, n * kvh * d, bf16, wide);
+        fetch(p0 + block < last ? k_pool + table[b + 1] * block * row : v_pool + table[0] * block * row, n * row);
+        for (int64_t r = p0 < first ? 0 : p0 - first + 1; r < count; ++r) { /* the rows that reach p0 */
+            const int64_t len = first + r, reach = len - p0 < n ? len - p0 : n;
+            const float *qr = q + r * h * d;
+            float *sr = scores + r * stride + p0;
+            for (int64_t g = 0; g < kvh; ++g)
+                for (int64_t j = g * group; j < (g + 1) * group; ++j) {
+                    float *sj = sr + j * len;
+                    int64_t t = 0;
+                    if (d >= 16 && d % 16 == 0)
+                        for (; t + 16 <= reach; t += 16) {
+                            float sums[16];
+                            dots16(qr + j * d, keys + (t * kvh + g) * d, kvh * d, d, sums);
+                            for (int i = 0; i < 16; ++i) sj[t + i] = sums[i] * scale;
+                        }
+                    for (; t < reach; ++t) sj[t] = dot(qr + j * d, keys + (t * kvh + g) * d, d) * scale;
+                }
+        }
+    }
+    for (int64_t r = 0; r < count; ++r) softmax(scores + r * stride, h, first + r);
+    memset(out, 0, sizeof(float) * (size_t)(count * h * d));
+    for (int64_t b = 0, p0 = 0; p0 < last; ++b, p0 += block) {
+        const int64_t n = last - p0 < block ? last - p0 : block;
+        const float *values = as_float(v_pool + table[b] * block * row, n * kvh * d, bf16, wide);
+        const char *next = p0 + block < last ? v_pool + table[b + 1] * block * row : NULL;
+        if (next) fetch(next, n * row);
+        for (int64_t r = p0 < first ? 0 : p0 - first + 1; r < count; ++r) { /* the rows that reach p0 */
+            const int64_t len = first + r, reach = len - p0 < n ? len - p0 : n;
+            const float *sr = scores + r * stride + p0;
+            float *orow = out + r * h * d;
+            for (int64_t g = 0; g < kvh; ++g)
+                for (int64_t j = g * group; j < (g + 1) * group; j += 4) {
+                    const int64_t heads = (g + 1) * group - j < 4 ? (g + 1) * group - j : 4;
+                    weigh(orow + j * d, sr + j * len, len, values + g * d, kvh * d, reach, heads, d);
+                }
+        }
+    }
+}
+
+/* `attend_rows` on constants where it can, as `attend_one`. */
+static void attend_run(const float *restrict q, const char *restrict k_pool, const char *restrict v_pool, int bf16,
+                       const int64_t *restrict table, int64_t first, int64_t count, int64_t block, int64_t h,
+                       int64_t kvh, int64_t d, float scale, float *restrict scores, int64_t stride,
+                       float *restrict wide, float *restrict out) {
+#define ATTEND(BF16, D)                                                                                               \
+    attend_rows(q, k_pool, v_pool, BF16, table, first, count, block, h, kvh, D, scale, scores, stride, wide, out)
+    if (d == 64)
+        bf16 ? ATTEND(1, 64) : ATTEND(0, 64);
+    else if (d == 128)
+        bf16 ? ATTEND(1, 128) : ATTEND(0, 128);
+    else
+        bf16 ? ATTEND(1, d) : ATTEND(0, d);
+#undef ATTEND
+}
+
+/* Rows of a run: consecutive rows of one sequence (the rows of a prompt, or a token and its drafts),
+ * each one position further than the last and reading the same blocks, at most `most` of them.
+ * `starts` gets each run's first row and, after the last, n; returns how many runs. */
+static int64_t find_runs(const int64_t *restrict tables, const int64_t *restrict lens, int64_t n, int64_t width,
+                         int64_t block, int64_t most, int64_t *restrict starts) {
+    int64_t runs = 0;
+    for (int64_t s = 0; s < n;) {
+        int64_t e = s + 1;
+        while (e < n && e - s < most && lens[e] == lens[e - 1] + 1 &&
+               memcmp(tables + e * width, tables + (e - 1) * width,
+                      sizeof(int64_t) * (size_t)((lens[e - 1] + block - 1) / block)) == 0)
+            ++e;
+        starts[runs++] = s;
+        s = e;
+    }
+    starts[runs] = n;
+    return runs;
+}
+
+/* At most this many floats of one run's scores in a thread's buffer (1 MiB): 8 rows of SmolLM2's 9
+ * heads up to 3640 positions, fewer rows past that. */
+enum { RUN_SCORES = 262144, RUN_ROWS = 8 };
+
 /* q [n, h, d], bfloat16 if `q_bf16` else float32; k_pool, v_pool [slots, kvh, d], bfloat16 if
  * `bf16` else float32; tables [n, width] block ids; lens [n] (each at least 1, at most width *
  * block); out [n, h, d] in q's dtype. All contiguous. A bfloat16 query is widened (exactly) as the
- * call begins and its output rounded once at the end, as torch's conversions around it would. */
+ * call begins and its output rounded once at the end, as torch's conversions around it would.
+ * Consecutive rows of one sequence (`find_runs`) are computed together (`attend_rows`), each to the
+ * bit as alone; where every run is one row, they are the rows, statically shared out. */
 int layerline_paged_attention(const void *restrict q, int q_bf16, const void *restrict k_pool,
                               const void *restrict v_pool, int bf16, const int64_t *restrict tables,
                               const int64_t *restrict lens, int64_t n, int64_t width, int64_t block, int64_t h,
@@ -215,35 +381,66 @@ int layerline_paged_attention(const void *restrict q, int q_bf16, const void *re
     if (n == 0) return 0;
     int64_t longest = 0;
     for (int64_t s = 0; s < n; ++s) longest = lens[s] > longest ? lens[s] : longest;
-    /* Each thread's buffer, in whole 64-byte lines: the scores; then, for bfloat16 pools, a block of
-     * them widened; and for a bfloat16 query, it widened and its output before rounding. */
+    /* Each thread's buffer, in whole 64-byte lines: the scores of a run's rows; then, for bfloat16
+     * pools, a block of them widened; and for a bfloat16 query, its rows widened and their output
+     * before rounding. */
     const int64_t scored = (h * longest + 15) / 16 * 16, widened = bf16 ? (block * kvh * d + 15) / 16 * 16 : 0,
-                  head = (h * d + 15) / 16 * 16, query = q_bf16 ? 2 * head : 0;
+                  head = (h * d + 15) / 16 * 16;
+    int64_t most = RUN_SCORES / scored;
+    most = most < 1 ? 1 : most > RUN_ROWS ? RUN_ROWS : most;
+    int64_t lone[2], *starts = n == 1 ? lone : malloc(sizeof(int64_t) * (size_t)(n + 1)); /* a lone row's: no call */
+    if (starts == NULL) return 1;
+    const int64_t runs = find_runs(tables, lens, n, width, block, most, starts);
+    const int64_t rows = runs == n ? 1 : most, query = q_bf16 ? 2 * rows * head : 0;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        float *scores = aligned_alloc(64, sizeof(float) * (size_t)(scored + widened + query));
+        float *scores = aligned_alloc(64, sizeof(float) * (size_t)(rows * scored + widened + query));
         failed = scores == NULL;
         /* Offsets into the buffer only once it exists: arithmetic on a null pointer is undefined. */
-        float *wide = failed ? NULL : scores + scored, *qw = failed ? NULL : wide + widened,
-              *ow = failed ? NULL : qw + head;
+        float *wide = failed ? NULL : scores + rows * scored, *qw = failed ? NULL : wide + widened,
+              *ow = failed ? NULL : qw + rows * head;
+        if (runs == n) {
 #pragma omp for schedule(static)
-        for (int64_t s = 0; s < n; ++s) {
-            if (scores == NULL) continue;
-            const int64_t at = s * h * d;
-            if (q_bf16) {
-                attend_one(as_float((const char *)q + 2 * at, h * d, 1, qw), k_pool, v_pool, bf16, tables + s * width,
-                           lens[s], block, h, kvh, d, scale, scores, wide, ow);
-                uint16_t *o = (uint16_t *)out + at;
+            for (int64_t s = 0; s < n; ++s) {
+                if (scores == NULL) continue;
+                const int64_t at = s * h * d;
+                if (q_bf16) {
+                    attend_one(as_float((const char *)q + 2 * at, h * d, 1, qw), k_pool, v_pool, bf16,
+                               tables + s * width, lens[s], block, h, kvh, d, scale, scores, wide, ow);
+                    uint16_t *o = (uint16_t *)out + at;
 #pragma omp simd
-                for (int64_t i = 0; i < h * d; ++i) o[i] = narrow(ow[i]);
-            } else {
-                attend_one((const float *)q + at, k_pool, v_pool, bf16, tables + s * width, lens[s], block, h, kvh, d,
-                           scale, scores, wide, (float *)out + at);
+                    for (int64_t i = 0; i < h * d; ++i) o[i] = narrow(ow[i]);
+                } else {
+                    attend_one((const float *)q + at, k_pool, v_pool, bf16, tables + s * width, lens[s], block, h,
+                               kvh, d, scale, scores, wide, (float *)out + at);
+                }
+            }
+        } else {
+            /* The later runs of a prompt read longer contexts: handed out one at a time. */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t u = 0; u < runs; ++u) {
+                if (scores == NULL) continue;
+                const int64_t s = starts[u], count = starts[u + 1] - s, at = s * h * d;
+                const int64_t *table = tables + (starts[u + 1] - 1) * width; /* the longest row's holds them all */
+                if (q_bf16) {
+                    /* the rows widened (exactly), contiguous as `attend_rows` reads them */
+                    const uint16_t *qb = (const uint16_t *)q + at;
+                    for (int64_t i = 0; i < count * h * d; ++i) qw[i] = widen(qb[i]);
+                    attend_run(qw, k_pool, v_pool, bf16, table, lens[s], count, block, h, kvh, d, scale, scores,
+                               scored, wide, ow);
+                    uint16_t *o = (uint16_t *)out + at;
+#pragma omp simd
+                    for (int64_t i = 0; i < count * h * d; ++i) o[i] = narrow(ow[i]);
+                } else {
+                    attend_run((const float *)q + at, k_pool, v_pool, bf16, table, lens[s], count, block, h, kvh, d,
+                               scale, scores, scored, wide, (float *)out + at);
+                }
             }
         }
         free(scores);
     }
+    if (starts != lone) free(starts);
     return failed;
 }
 
