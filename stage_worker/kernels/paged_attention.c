@@ -290,12 +290,14 @@ static inline __attribute__((always_inline)) void attend_rows(const float *restr
     for (int64_t b = 0, p0 = 0; p0 < last; ++b, p0 += block) {
         const int64_t n = last - p0 < block ? last - p0 : block;
         const float *keys = as_float(k_pool + table[b] * block * row, n * kvh * d, bf16, wide);
-        fetch(p0 + block < last ? k_pool + table[b + 1] * block * row : v_pool + table[0] * block * row, n * row);
+        const char *next = p0 + block < last ? k_pool + table[b + 1] * block * row : v_pool + table[0] * block * row;
+        int64_t ahead = 0; /* the next block's rows asked for a few at a time, as the dot products go */
         for (int64_t r = p0 < first ? 0 : p0 - first + 1; r < count; ++r) { /* the rows that reach p0 */
             const int64_t len = first + r, reach = len - p0 < n ? len - p0 : n;
             const float *qr = q + r * h * d;
             float *sr = scores + r * stride + p0;
-            for (int64_t g = 0; g < kvh; ++g)
+            for (int64_t g = 0; g < kvh; ++g) {
+                if (ahead < n) fetch(next + ahead++ * row, row);
                 for (int64_t j = g * group; j < (g + 1) * group; ++j) {
                     float *sj = sr + j * len;
                     int64_t t = 0;
@@ -307,7 +309,9 @@ static inline __attribute__((always_inline)) void attend_rows(const float *restr
                         }
                     for (; t < reach; ++t) sj[t] = dot(qr + j * d, keys + (t * kvh + g) * d, d) * scale;
                 }
+            }
         }
+        for (; ahead < n; ++ahead) fetch(next + ahead * row, row);
     }
     for (int64_t r = 0; r < count; ++r) softmax(scores + r * stride, h, first + r);
     memset(out, 0, sizeof(float) * (size_t)(count * h * d));
@@ -315,17 +319,29 @@ static inline __attribute__((always_inline)) void attend_rows(const float *restr
         const int64_t n = last - p0 < block ? last - p0 : block;
         const float *values = as_float(v_pool + table[b] * block * row, n * kvh * d, bf16, wide);
         const char *next = p0 + block < last ? v_pool + table[b + 1] * block * row : NULL;
-        if (next) fetch(next, n * row);
+        int64_t ahead = next ? 0 : n; /* the next block's rows asked for a few at a time, as the sums go */
         for (int64_t r = p0 < first ? 0 : p0 - first + 1; r < count; ++r) { /* the rows that reach p0 */
             const int64_t len = first + r, reach = len - p0 < n ? len - p0 : n;
             const float *sr = scores + r * stride + p0;
             float *orow = out + r * h * d;
-            for (int64_t g = 0; g < kvh; ++g)
+            for (int64_t g = 0; g < kvh; ++g) {
+                if (ahead < n) fetch(next + ahead++ * row, row);
                 for (int64_t j = g * group; j < (g + 1) * group; j += 4) {
                     const int64_t heads = (g + 1) * group - j < 4 ? (g + 1) * group - j : 4;
-                    weigh(orow + j * d, sr + j * len, len, values + g * d, kvh * d, reach, heads, d);
+                    float *o = orow + j * d;
+                    const float *w = sr + j * len, *v = values + g * d;
+                    if (heads == 4) /* on constants: the sums stay in registers */
+                        weigh(o, w, len, v, kvh * d, reach, 4, d);
+                    else if (heads == 3)
+                        weigh(o, w, len, v, kvh * d, reach, 3, d);
+                    else if (heads == 2)
+                        weigh(o, w, len, v, kvh * d, reach, 2, d);
+                    else
+                        weigh(o, w, len, v, kvh * d, reach, 1, d);
                 }
+            }
         }
+        for (; ahead < n; ++ahead) fetch(next + ahead * row, row);
     }
 }
 
