@@ -28,6 +28,7 @@ from layerline.shared.cpu import cpu_name
 from layerline.shared.model_config import LayerRange, ModelConfig
 from layerline.stage_worker.kv_cache import CacheShape, PagedKVCache
 from layerline.stage_worker.llama import StageModel
+from layerline.stage_worker.paged_attention import compiled_kernel
 from layerline.stage_worker.weights import load_stage
 
 SCHEMES = ("none", "int8", "int4")
@@ -117,6 +118,7 @@ class Decoder:
         shape = CacheShape(num_blocks, block_size, stage.shards.num_kv_heads, config.head_dim)
         self.stage = stage
         self.cache = PagedKVCache(shape, layer_ids=stage.layer_range, dtype=torch.float32, device="cpu")
+        self.token_rows = compiled_kernel() is not None  # as a stage worker lays its steps out (engine.py)
 
     @torch.no_grad()
     def step(self, seqs: dict[str, list[int]], *, all_logits: bool = False) -> torch.Tensor:
@@ -124,7 +126,8 @@ class Decoder:
         lens = [len(seqs[s]) for s in names]
         for s, n in zip(names, lens):
             self.cache.reserve(s, n)
-        layout = self.cache.plan_step(names, lens, sliding_window=self.stage.config.sliding_window)
+        window = self.stage.config.sliding_window
+        layout = self.cache.plan_step(names, lens, sliding_window=window, token_rows=self.token_rows)
         ids = torch.tensor([t for s in names for t in seqs[s]], dtype=torch.long)
         return self.stage(ids, cache=self.cache, layout=layout, logit_rows=None if all_logits else layout.last_rows())
 
