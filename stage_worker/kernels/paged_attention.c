@@ -5,8 +5,10 @@
  * torch's wheel ships it under that name (native.py refuses the kernel where a second libgomp
  * came with it), so its team is the one torch's kernels use on that thread.
  *
- * One sequence per iteration: its keys and values are read block by block where the pools hold
- * them (a block's rows of every kv head are contiguous), never gathered into a copy. For each
+ * One run of a sequence's consecutive rows per iteration (a decoding sequence's one row, a prompt's
+ * rows, a token and its drafts: `attend_rows`, each row to the bit as alone): its keys and values
+ * are read block by block where the pools hold them (a block's rows of every kv head are
+ * contiguous), never gathered into a copy. For each
  * query head: scores = q . k * scale over the sequence's own length, a softmax (max subtracted,
  * normalized by one reciprocal), and the weighted sum of the value rows. A sequence's blocks lie
  * anywhere in the pools, so while one block is read the next one's lines are asked for ahead
@@ -191,57 +193,6 @@ static inline __attribute__((always_inline)) void softmax(float *restrict scores
     }
 }
 
-/* One sequence of `len` positions whose blocks are `table`: out [h, d] from q [h, d]. `scores`
- * holds h * len floats, `wide` a block's kvh * d * block. Query heads g * group .. g * group +
- * group - 1 read kv head g. Inlined into `attend_one` once for each head size and pool dtype it
- * names, so that those loops run on constants (no remainder loops, no dtype test per row). */
-static inline __attribute__((always_inline)) void attend(const float *restrict q, const char *restrict k_pool,
-                                                         const char *restrict v_pool, const int bf16,
-                                                         const int64_t *restrict table, int64_t len, int64_t block,
-                                                         int64_t h, int64_t kvh, const int64_t d, float scale,
-                                                         float *restrict scores, float *restrict wide,
-                                                         float *restrict out) {
-    const int64_t group = h / kvh, size = bf16 ? 2 : 4, row = kvh * d * size; /* row: bytes */
-    for (int64_t b = 0, p0 = 0; p0 < len; ++b, p0 += block) {
-        const int64_t n = len - p0 < block ? len - p0 : block;
-        const float *keys = as_float(k_pool + table[b] * block * row, n * kvh * d, bf16, wide);
-        const char *next = p0 + block < len ? k_pool + table[b + 1] * block * row : v_pool + table[0] * block * row;
-        for (int64_t t = 0; t < n; ++t) {
-            fetch(next + t * row, row);
-            for (int64_t g = 0; g < kvh; ++g)
-                for (int64_t j = g * group; j < (g + 1) * group; ++j)
-                    scores[j * len + p0 + t] = dot(q + j * d, keys + (t * kvh + g) * d, d) * scale;
-        }
-    }
-    softmax(scores, h, len);
-    memset(out, 0, sizeof(float) * (size_t)(h * d));
-    for (int64_t b = 0, p0 = 0; p0 < len; ++b, p0 += block) {
-        const int64_t n = len - p0 < block ? len - p0 : block;
-        const float *values = as_float(v_pool + table[b] * block * row, n * kvh * d, bf16, wide);
-        const char *next = p0 + block < len ? v_pool + table[b + 1] * block * row : NULL;
-        for (int64_t t = 0; t < n; ++t) {
-            if (next) fetch(next + t * row, row);
-            for (int64_t g = 0; g < kvh; ++g)
-                for (int64_t j = g * group; j < (g + 1) * group; ++j)
-                    axpy(out + j * d, scores[j * len + p0 + t], values + (t * kvh + g) * d, d);
-        }
-    }
-}
-
-/* `attend` on constants where it can: head sizes 64 and 128, each pool dtype. */
-static void attend_one(const float *restrict q, const char *restrict k_pool, const char *restrict v_pool, int bf16,
-                       const int64_t *restrict table, int64_t len, int64_t block, int64_t h, int64_t kvh, int64_t d,
-                       float scale, float *restrict scores, float *restrict wide, float *restrict out) {
-#define ATTEND(BF16, D) attend(q, k_pool, v_pool, BF16, table, len, block, h, kvh, D, scale, scores, wide, out)
-    if (d == 64)
-        bf16 ? ATTEND(1, 64) : ATTEND(0, 64);
-    else if (d == 128)
-        bf16 ? ATTEND(1, 128) : ATTEND(0, 128);
-    else
-        bf16 ? ATTEND(1, d) : ATTEND(0, d);
-#undef ATTEND
-}
-
 /* For each of `heads` (1 to 4) query heads i: o[i * d ..] += w[i * len + t] * v[t * stride ..] for
  * t < n, in that order: `axpy` n times a head, each element's sums rounded as axpy rounds them.
  * Where d is 64 the heads' sums are held in registers across the n keys, side by side (one head's
@@ -272,13 +223,18 @@ static inline __attribute__((always_inline)) void weigh(float *restrict o, const
         for (int c = 0; c < 4; ++c) memcpy(o + i * d + 16 * c, &a[i][c], sizeof a[i][c]);
 }
 
-/* `count` rows of one sequence at consecutive positions, each as `attend` computes it alone: row r
- * attends over the first `first + r` positions of `table`, q [count, h, d] -> out [count, h, d].
- * Row r's scores start `stride` floats (a multiple of 16) after row r - 1's, each head's at j *
- * its own length, as `attend` lays them out: every dot product, every softmax and every sum is
- * `attend`'s, in its order, so each row comes out to the bit as it would alone. What the rows
- * share is the reading: each block of keys and values is read (and widened) once for all of them,
- * not once a row, and each key is used by every row that attends to it while it is at hand. */
+/* `count` rows of one sequence at consecutive positions (a decoding sequence's one row, or a
+ * prompt's, or a token and its drafts): row r attends over the first `first + r` positions of
+ * `table`, q [count, h, d] -> out [count, h, d]. `scores` holds a row's h lines of scores every
+ * `stride` floats (a multiple of 16, from a 64-byte line), head j's at j * its length; `wide` a
+ * block's kvh * d * block. Query heads g * group .. g * group + group - 1 read kv head g.
+ *
+ * A row's arithmetic is the same whatever rows come with it: its dot products (16 keys at a time,
+ * `dots16`, the rest `dot`, as far as its own length reaches into a block), its softmax over its
+ * own length, its weighted sums key after key (`weigh`), its scores at the same offsets from a
+ * line. So each row comes out to the bit as it would alone, and a token's attention is the same
+ * in a prompt, a chunk of one, a decode step or a verify step. What the rows share is the reading:
+ * each block of keys and values is read (and widened) once for all of them, not once a row. */
 static inline __attribute__((always_inline)) void attend_rows(const float *restrict q, const char *restrict k_pool,
                                                               const char *restrict v_pool, const int bf16,
                                                               const int64_t *restrict table, int64_t first,
@@ -345,7 +301,8 @@ static inline __attribute__((always_inline)) void attend_rows(const float *restr
     }
 }
 
-/* `attend_rows` on constants where it can, as `attend_one`. */
+/* `attend_rows` on constants where it can: head sizes 64 and 128, each pool dtype (no remainder
+ * loops, no dtype test per row). */
 static void attend_run(const float *restrict q, const char *restrict k_pool, const char *restrict v_pool, int bf16,
                        const int64_t *restrict table, int64_t first, int64_t count, int64_t block, int64_t h,
                        int64_t kvh, int64_t d, float scale, float *restrict scores, int64_t stride,
@@ -361,8 +318,8 @@ static void attend_run(const float *restrict q, const char *restrict k_pool, con
 #undef ATTEND
 }
 
-/* Rows of a run: consecutive rows of one sequence (the rows of a prompt, or a token and its drafts),
- * each one position further than the last and reading the same blocks, at most `most` of them.
+/* Runs: consecutive rows of one sequence (the rows of a prompt, or a token and its drafts), each
+ * one position further than the last and reading the same blocks, at most `most` to a run.
  * `starts` gets each run's first row and, after the last, n; returns how many runs. */
 static int64_t find_runs(const int64_t *restrict tables, const int64_t *restrict lens, int64_t n, int64_t width,
                          int64_t block, int64_t most, int64_t *restrict starts) {
@@ -384,12 +341,31 @@ static int64_t find_runs(const int64_t *restrict tables, const int64_t *restrict
  * heads up to 3640 positions, fewer rows past that. */
 enum { RUN_SCORES = 262144, RUN_ROWS = 8 };
 
+/* Rows s .. s + count - 1 of the call (a run) into out: a bfloat16 query's rows widened (exactly)
+ * into `qw` first and their output rounded from `ow` after, as `layerline_paged_attention` says. */
+static inline void run(const void *restrict q, int q_bf16, const char *restrict k_pool, const char *restrict v_pool,
+                       int bf16, const int64_t *restrict table, const int64_t *restrict lens, int64_t s, int64_t count,
+                       int64_t block, int64_t h, int64_t kvh, int64_t d, float scale, float *restrict scores,
+                       int64_t scored, float *restrict wide, float *restrict qw, float *restrict ow, void *restrict out) {
+    const int64_t at = s * h * d, size = count * h * d;
+    if (!q_bf16) {
+        attend_run((const float *)q + at, k_pool, v_pool, bf16, table, lens[s], count, block, h, kvh, d, scale, scores,
+                   scored, wide, (float *)out + at);
+        return;
+    }
+    attend_run(as_float((const char *)q + 2 * at, size, 1, qw), k_pool, v_pool, bf16, table, lens[s], count, block, h,
+               kvh, d, scale, scores, scored, wide, ow);
+    uint16_t *o = (uint16_t *)out + at;
+#pragma omp simd
+    for (int64_t i = 0; i < size; ++i) o[i] = narrow(ow[i]);
+}
+
 /* q [n, h, d], bfloat16 if `q_bf16` else float32; k_pool, v_pool [slots, kvh, d], bfloat16 if
  * `bf16` else float32; tables [n, width] block ids; lens [n] (each at least 1, at most width *
  * block); out [n, h, d] in q's dtype. All contiguous. A bfloat16 query is widened (exactly) as the
  * call begins and its output rounded once at the end, as torch's conversions around it would.
- * Consecutive rows of one sequence (`find_runs`) are computed together (`attend_rows`), each to the
- * bit as alone; where every run is one row, they are the rows, statically shared out. */
+ * Where every run (`find_runs`) is one row (a decode batch), the rows are shared out statically;
+ * else the runs one at a time, the later (longer) ones of a prompt to whichever thread is free. */
 int layerline_paged_attention(const void *restrict q, int q_bf16, const void *restrict k_pool,
                               const void *restrict v_pool, int bf16, const int64_t *restrict tables,
                               const int64_t *restrict lens, int64_t n, int64_t width, int64_t block, int64_t h,
@@ -418,41 +394,15 @@ int layerline_paged_attention(const void *restrict q, int q_bf16, const void *re
               *ow = failed ? NULL : qw + rows * head;
         if (runs == n) {
 #pragma omp for schedule(static)
-            for (int64_t s = 0; s < n; ++s) {
-                if (scores == NULL) continue;
-                const int64_t at = s * h * d;
-                if (q_bf16) {
-                    attend_one(as_float((const char *)q + 2 * at, h * d, 1, qw), k_pool, v_pool, bf16,
-                               tables + s * width, lens[s], block, h, kvh, d, scale, scores, wide, ow);
-                    uint16_t *o = (uint16_t *)out + at;
-#pragma omp simd
-                    for (int64_t i = 0; i < h * d; ++i) o[i] = narrow(ow[i]);
-                } else {
-                    attend_one((const float *)q + at, k_pool, v_pool, bf16, tables + s * width, lens[s], block, h,
-                               kvh, d, scale, scores, wide, (float *)out + at);
-                }
-            }
+            for (int64_t s = 0; s < n; ++s)
+                if (scores) run(q, q_bf16, k_pool, v_pool, bf16, tables + s * width, lens, s, 1, block, h, kvh, d,
+                                scale, scores, scored, wide, qw, ow, out);
         } else {
             /* The later runs of a prompt read longer contexts: handed out one at a time. */
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t u = 0; u < runs; ++u) {
-                if (scores == NULL) continue;
-                const int64_t s = starts[u], count = starts[u + 1] - s, at = s * h * d;
-                const int64_t *table = tables + (starts[u + 1] - 1) * width; /* the longest row's holds them all */
-                if (q_bf16) {
-                    /* the rows widened (exactly), contiguous as `attend_rows` reads them */
-                    const uint16_t *qb = (const uint16_t *)q + at;
-                    for (int64_t i = 0; i < count * h * d; ++i) qw[i] = widen(qb[i]);
-                    attend_run(qw, k_pool, v_pool, bf16, table, lens[s], count, block, h, kvh, d, scale, scores,
-                               scored, wide, ow);
-                    uint16_t *o = (uint16_t *)out + at;
-#pragma omp simd
-                    for (int64_t i = 0; i < count * h * d; ++i) o[i] = narrow(ow[i]);
-                } else {
-                    attend_run((const float *)q + at, k_pool, v_pool, bf16, table, lens[s], count, block, h, kvh, d,
-                               scale, scores, scored, wide, (float *)out + at);
-                }
-            }
+            for (int64_t u = 0; u < runs; ++u) /* the longest row's table holds the blocks of them all */
+                if (scores) run(q, q_bf16, k_pool, v_pool, bf16, tables + (starts[u + 1] - 1) * width, lens, starts[u],
+                                starts[u + 1] - starts[u], block, h, kvh, d, scale, scores, scored, wide, qw, ow, out);
         }
         free(scores);
     }
