@@ -19,7 +19,8 @@ tokens. Where every product is the FMA blocks', the whole loop is one call (laye
 same calls in C; 32 rows of 29 layers on an Intel Xeon without AMX, bfloat16 51.4 -> 42.9 ms,
 float32 47.7 -> 42.6).
 
-It serves a step of two or more decoding rows (`StepLayout.decode_only`; a lone row is rows.py's)
+It serves a step of two or more decode rows (`StepLayout.decode_only`: decoding sequences, and on
+the CPU a prompt's rows too, kv_cache.plan_step's `token_rows`; a lone row is rows.py's)
 on one rank (no collectives), where every linear layer of the stage is packed and the kernels
 serve (compiled, their RMSNorm, SiLU and rotary torch's numbers); `__call__` returns None
 otherwise and the modules run. The LM head and the final norm stay the modules'.

@@ -28,7 +28,7 @@ from layerline.shared.model_config import LayerRange, ModelConfig, RopeConfig
 
 from .fused import rms_norm, silu_mul
 from .kv_cache import PagedKVCache, StepLayout
-from .paged_attention import paged_decode_attention, reads_pools, rotated_and_stored
+from .paged_attention import attends_off_pools, paged_decode_attention, reads_pools, rotated_and_stored
 from .parallel import SINGLE_RANK, TensorParallel
 from .sharding import Shards, shards_for
 from .step_paths import DecodePath, RowPath
@@ -113,7 +113,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t, h, kvh = x.shape[0], self.heads_per_rank, self.kv_heads_per_rank
         qkv = self.qkv_proj(x).view(t, h + 2 * kvh, self.head_dim)  # [T, h + 2 kvh, d]
-        if layout.decode_only and layout.decode_slots is None:  # rotary and KV writes in one kernel call
+        # rotary and KV writes in one kernel call; a lone row too where the compiled kernel attends off
+        # the pools, so that its numbers are a batch row's (kv_cache.plan_step's `token_rows`)
+        kernel = attends_off_pools(k_pool)
+        if layout.decode_only and (layout.decode_slots is None or kernel):
             q = rotated_and_stored(qkv, cos, sin, k_pool, v_pool, heads=h, layout=layout)
             if q is not None:
                 return self.tp.all_reduce(self.o_proj(batch_decode_attention(q, k_pool, v_pool, layout=layout)))
@@ -122,7 +125,7 @@ class Attention(nn.Module):
         q, k = qk.split([h, kvh], dim=1)  # q [T, h, d]; k, v [T, kvh, d]
         k_pool.index_copy_(0, layout.write_slots, k)
         v_pool.index_copy_(0, layout.write_slots, v)
-        if layout.decode_slots is not None:  # one decoding sequence, its KV in one run of slots
+        if layout.decode_slots is not None and not kernel:  # one decoding sequence, its KV in one run of slots
             kd = k_pool[layout.decode_slots].transpose(0, 1).unsqueeze(0)  # [1, kvh, L, d], a view
             vd = v_pool[layout.decode_slots].transpose(0, 1).unsqueeze(0)
             od = decode_attention(q, kd, vd, mask=None)  # [1, h * d]

@@ -99,6 +99,11 @@ def reads_pools(pool: torch.Tensor) -> bool:
     return pool.dtype == torch.float32 or (pool.dtype == torch.bfloat16 and compiled_kernel() is not None)
 
 
+def attends_off_pools(pool: torch.Tensor) -> bool:
+    """Whether the compiled kernel attends off pools like `pool` (on the CPU, float32 or bfloat16)."""
+    return reads_pools(pool) and compiled_kernel() is not None
+
+
 def paged_decode_attention(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, *, layout: StepLayout
 ) -> torch.Tensor:

@@ -64,7 +64,8 @@ PROMPT = [3 + (i * 37) % 200 for i in range(70)]
 
 def split_ways(stages, *, token_rows: bool) -> dict[str, torch.Tensor]:
     """The logits of PROMPT's last token, the prompt fed whole, in two chunks, after its first 38
-    tokens' KV copied from another sequence, and one token a step beside another sequence."""
+    tokens' KV copied from another sequence, and one token a step, beside another sequence and alone
+    (a lone row's own path, rows.py, where it serves)."""
     out = {}
     whole = LocalPipeline(stages, token_rows=token_rows)
     out["whole"] = whole.step({"s": PROMPT})
@@ -76,11 +77,11 @@ def split_ways(stages, *, token_rows: bool) -> dict[str, torch.Tensor]:
     for cache in copied.caches:
         cache.copy_prefix("lender", "s", 38, room_for=len(PROMPT) - 38)
     out["after a copied prefix"] = copied.step({"s": PROMPT[38:]})
-    steps = LocalPipeline(stages, token_rows=token_rows)
-    steps.step({"other": PROMPT[:5]})
+    beside, alone = LocalPipeline(stages, token_rows=token_rows), LocalPipeline(stages, token_rows=token_rows)
+    beside.step({"other": PROMPT[:5]})
     for i, t in enumerate(PROMPT):
-        last = steps.step({"s": [t], "other": [PROMPT[i % 5]]})[:1]
-    out["a token a step"] = last
+        out["a token a step, beside another sequence"] = beside.step({"s": [t], "other": [PROMPT[i % 5]]})[:1]
+        out["a token a step, alone"] = alone.step({"s": [t]})
     return out
 
 
@@ -90,18 +91,41 @@ def test_a_prompts_last_logits_are_the_same_bits_however_it_was_split(kernel, ck
     if not _rows_are_alike(stages[0], dtype):
         pytest.skip("a product's rows are not the same bits in batches of different sizes here")
     ways = split_ways(stages, token_rows=True)
+    paths = [stage.row_path for stage in stages]
+    try:  # a lone row through the modules, as on a tensor-parallel rank (no row path there)
+        for stage in stages:
+            stage.row_path = None
+        modules = LocalPipeline(stages, token_rows=True)
+        for t in PROMPT:
+            ways["a token a step, alone, through the modules"] = modules.step({"s": [t]})
+    finally:
+        for stage, path in zip(stages, paths, strict=True):
+            stage.row_path = path
     for name, logits in ways.items():
         assert torch.equal(logits, ways["whole"]), name
 
 
 def _rows_are_alike(stage, dtype) -> bool:
-    """Whether this machine's products give a row the same bits in a batch of 70, 32 and 1."""
-    x = torch.randn(70, stage.config.hidden_size, generator=torch.Generator().manual_seed(1)).to(dtype)
+    """Whether this machine's products give a row the same bits in a batch of 70, 32, 2 and 1 (each
+    product of a layer, and the head where the stage holds it)."""
     layer = next(iter(stage.layers.values()))
+    hidden, attn = stage.config.hidden_size, layer.self_attn
+    products = [
+        (attn.qkv_proj, hidden),
+        (attn.o_proj, attn.heads_per_rank * attn.head_dim),
+        (layer.mlp.gate_up_proj, hidden),
+        (layer.mlp.down_proj, stage.shards.intermediate),
+    ]
+    if stage.lm_head is not None:
+        products.append((stage.lm_head, hidden))
     with torch.no_grad():
-        product = layer.self_attn.qkv_proj
-        whole = product(x)
-        return torch.equal(whole[38:], product(x[38:].contiguous())) and torch.equal(whole[69:], product(x[69:]))
+        for product, fan_in in products:
+            x = torch.randn(70, fan_in, generator=torch.Generator().manual_seed(1)).to(dtype)
+            whole = product(x)
+            for first in (38, 68, 69):
+                if not torch.equal(whole[first:], product(x[first:].contiguous())):
+                    return False
+    return True
 
 
 @pytest.mark.real_model

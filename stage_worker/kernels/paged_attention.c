@@ -114,7 +114,7 @@ static inline float lane_sum(lanes16 v) {
 }
 
 /* q . k over d: for d a (nonzero) multiple of 16, a running sum per lane, the lanes added pairwise
- * at the end; otherwise lane by lane. */
+ * at the end; otherwise element by element. */
 static inline lanes16 dot_lanes(const float *restrict q, const float *restrict k, int64_t d) {
     lanes16 acc = load16(q) * load16(k);
     for (int64_t i = 16; i < d; i += 16) acc += load16(q + i) * load16(k + i);
@@ -123,8 +123,7 @@ static inline lanes16 dot_lanes(const float *restrict q, const float *restrict k
 
 static inline float dot(const float *restrict q, const float *restrict k, int64_t d) {
     if (d >= 16 && d % 16 == 0) return lane_sum(dot_lanes(q, k, d));
-    float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
+    float acc = 0.f; /* in order: no vector reduction, whose order could follow the rows' alignment */
     for (int64_t i = 0; i < d; ++i) acc += q[i] * k[i];
     return acc;
 }
