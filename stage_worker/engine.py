@@ -28,7 +28,7 @@ from .fused import norm_kernel
 from .kv_cache import KVCacheExhausted, PagedKVCache
 from .llama import StageModel
 from .native import POOL_DTYPES
-from .paged_attention import compiled_kernel, rotary_kernel
+from .paged_attention import attends_off_pools, rotary_kernel
 from .sampler import Draw, argmax_kernel, reads_argmax, sample
 from .speculation import logit_rows, verify
 
@@ -98,9 +98,8 @@ class StageEngine:
         # cores of the whole chain: the chain's other stages wait for it meanwhile.
         self.max_threads = max_threads or torch.get_num_threads()
         # Every token a decode row where the kernel (compiled now, not at the first step) reads the pools.
-        pools = cache.device.type == "cpu" and cache.dtype in POOL_DTYPES
-        self.token_rows = pools and compiled_kernel() is not None
-        if pools:
+        self.token_rows = attends_off_pools(next(iter(cache.k.values())))
+        if cache.device.type == "cpu" and cache.dtype in POOL_DTYPES:
             rotary_kernel(), norm_kernel(), argmax_kernel()  # its rotary, RMSNorm, greedy's argmax checked
         self.prefill_threads = prefill_threads or self.max_threads
         model.set_threads(torch.get_num_threads())  # and again each time `_use_threads` changes it

@@ -28,7 +28,7 @@ from layerline.shared.cpu import cpu_name
 from layerline.shared.model_config import LayerRange, ModelConfig
 from layerline.stage_worker.kv_cache import CacheShape, PagedKVCache
 from layerline.stage_worker.llama import StageModel
-from layerline.stage_worker.paged_attention import compiled_kernel
+from layerline.stage_worker.paged_attention import attends_off_pools
 from layerline.stage_worker.weights import load_stage
 
 SCHEMES = ("none", "int8", "int4")
@@ -118,7 +118,7 @@ class Decoder:
         shape = CacheShape(num_blocks, block_size, stage.shards.num_kv_heads, config.head_dim)
         self.stage = stage
         self.cache = PagedKVCache(shape, layer_ids=stage.layer_range, dtype=torch.float32, device="cpu")
-        self.token_rows = compiled_kernel() is not None  # as a stage worker lays its steps out (engine.py)
+        self.token_rows = attends_off_pools(next(iter(self.cache.k.values())))  # as a stage worker (engine.py)
 
     @torch.no_grad()
     def step(self, seqs: dict[str, list[int]], *, all_logits: bool = False) -> torch.Tensor:
