@@ -310,6 +310,28 @@ def test_up_runs_one_micro_batch_at_a_time_on_its_shared_cores_unless_told(up: U
     assert "--depth 0: micro-batches in flight per chain must be at least 1" in capsys.readouterr().err
 
 
+def test_up_passes_its_prefix_flags_to_the_coordinator(up: Up, tiny, capsys) -> None:
+    """`up` and `run` take the coordinator's --no-prefix-sharing and --prefix-cache and hand them to
+    the coordinator they start (the default: sharing on, the coordinator's cache share); a share
+    that is no fraction is refused before anything starts."""
+    from layerline.cli import build_parser, main
+    from layerline.cli.cluster import _coordinator_args
+    from layerline.coordinator.settings import CoordinatorSettings
+
+    coordinators = [c for c in up.children().values() if " coordinator " in c]
+    assert len(coordinators) == 1
+    assert f" --prefix-cache {CoordinatorSettings.prefix_cache!r} " in coordinators[0] + " "
+    assert "--no-prefix-sharing" not in coordinators[0]
+    for command in ("up", "run"):
+        given = [command, "--no-prefix-sharing", "--prefix-cache", "0", *(["hi"] if command == "run" else [])]
+        args = _coordinator_args(build_parser().parse_args(given))
+        assert args == ("--speculate", "0", "--prefix-cache", "0.0", "--no-prefix-sharing"), command
+    with pytest.raises(SystemExit) as refused:
+        main(["up", "--model", str(tiny[0]), "--prefix-cache", "1"])
+    assert refused.value.code == 2
+    assert "--prefix-cache: '1' is not a fraction from 0 up to (not including) 1" in capsys.readouterr().err
+
+
 def test_a_chain_whose_stages_take_turns_on_the_cores_binds_their_openmp_threads(tiny, monkeypatch) -> None:
     """One replica, no tensor parallelism, one micro-batch at a time, two threads or more: each
     stage worker starts with its OpenMP threads bound to cores in order (LocalCluster.stage_env);

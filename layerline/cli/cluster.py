@@ -24,6 +24,7 @@ from .support import (
     add_telemetry_flags,
     client_credentials,
     http_port_flag,
+    prefix_flags,
     reported_as_errors,
     speculate_flag,
     telemetry_settings,
@@ -52,6 +53,7 @@ def _cluster_flags(p: argparse.ArgumentParser) -> None:
     add_quantize_flag(p)
     http_port_flag(p)
     speculate_flag(p)
+    prefix_flags(p, cache_default=CoordinatorSettings.prefix_cache)
     plan = ClusterPlan
     p.add_argument(
         "--stages",
@@ -123,6 +125,12 @@ def _cluster_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _coordinator_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The coordinator's own flags among `up`'s and `run`'s."""
+    sharing = ("--no-prefix-sharing",) if args.no_prefix_sharing else ()
+    return ("--speculate", str(args.speculate), "--prefix-cache", repr(args.prefix_cache), *sharing)
+
+
 def _start_cluster(args: argparse.Namespace, *, restarts: RestartPolicy = ClusterPlan.restarts) -> LocalCluster:
     from layerline.model_store import ModelStoreError, resolve_model
 
@@ -149,7 +157,7 @@ def _start_cluster(args: argparse.Namespace, *, restarts: RestartPolicy = Cluste
             http_port=args.http_port,
             split=args.split,
             depth=args.depth,
-            coordinator_args=("--speculate", str(args.speculate)),
+            coordinator_args=_coordinator_args(args),
         )
         cluster = LocalCluster(plan, checkpoint)  # checks (and with --split measured, measures) the split first
     print(

@@ -15,21 +15,12 @@ from .support import (
     configure_logging,
     health_port_flag,
     http_port_flag,
+    prefix_flags,
     reported_as_errors,
     speculate_flag,
     telemetry_settings,
     tls_settings,
 )
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction from 0 up to (not including) 1")
-    return value
 
 
 def _run_coordinator(args: argparse.Namespace) -> int:
@@ -124,23 +115,7 @@ def add_coordinator_commands(commands: Subcommands) -> None:
         metavar="N",
         help=f"tokens per micro-batch step; longer prompts are prefilled in chunks (default: {C.token_budget})",
     )
-    c.add_argument(
-        "--no-prefix-sharing",
-        action="store_true",
-        help="compute every prompt in full; by default a new sequence whose first tokens "
-        "(4 or more) match those of a live or cached sequence on its chain copies "
-        "their KV instead",
-    )
-    c.add_argument(
-        "--prefix-cache",
-        type=_fraction,
-        default=C.prefix_cache,
-        metavar="F",
-        help="share of each chain's KV memory (that of its smallest stage) in which requests "
-        "that ended keep their KV, least recently used out first, for later prompts "
-        "that start the same way: a system prompt, the turns of a chat; 0 frees every "
-        f"request's KV when it ends (default: {C.prefix_cache:g})",
-    )
+    prefix_flags(c, cache_default=C.prefix_cache)
     c.add_argument(
         "--depth", type=int, metavar="N", help="micro-batches in flight per chain (default: the chain's length)"
     )

@@ -29,6 +29,7 @@ __all__ = [
     "client_credentials",
     "configure_logging",
     "http_port_flag",
+    "prefix_flags",
     "reported_as_errors",
     "speculate_flag",
     "telemetry_settings",
@@ -176,6 +177,37 @@ def speculate_flag(p: argparse.ArgumentParser, *, default: int = 0) -> None:
         "verifies them in one forward, so an answer that quotes or edits its prompt takes fewer steps; greedy and "
         "seeded output stay token for token the same. A request's `speculate` overrides it. "
         f"0 is off, at most {MAX_SPECULATE} (default: %(default)s)",
+    )
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction from 0 up to (not including) 1")
+    return value
+
+
+def prefix_flags(p: argparse.ArgumentParser, *, cache_default: float) -> None:
+    """The coordinator's prefix sharing: `layerline coordinator`'s flags, and `up`'s and `run`'s for theirs."""
+    p.add_argument(
+        "--no-prefix-sharing",
+        action="store_true",
+        help="compute every prompt in full; by default a new sequence whose first tokens "
+        "(4 or more) match those of a live or cached sequence on its chain copies "
+        "their KV instead",
+    )
+    p.add_argument(
+        "--prefix-cache",
+        type=_fraction,
+        default=cache_default,
+        metavar="F",
+        help="share of each chain's KV memory (that of its smallest stage) in which requests "
+        "that ended keep their KV, least recently used out first, for later prompts "
+        "that start the same way: a system prompt, the turns of a chat; 0 frees every "
+        f"request's KV when it ends (default: {cache_default:g})",
     )
 
 
