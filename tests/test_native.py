@@ -24,10 +24,32 @@ needs_compiler = pytest.mark.skipif(
 
 @pytest.fixture
 def home(tmp_path, monkeypatch) -> Path:
+    """A cache of this test's own, empty: `native.load()` compiles into it."""
     monkeypatch.setenv("LAYERLINE_HOME", str(tmp_path))
     monkeypatch.delenv(native.ENV, raising=False)
     monkeypatch.delenv("CC", raising=False)
     return tmp_path
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> Path:
+    """A cache the kernel was compiled into once for this module (a compile takes seconds)."""
+    home = tmp_path_factory.mktemp("kernels")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LAYERLINE_HOME", str(home))
+        for name in (native.ENV, "CC"):
+            patch.delenv(name, raising=False)
+        native.load()
+    return home
+
+
+@pytest.fixture
+def built(compiled, monkeypatch) -> Path:
+    """This module's compiled cache: `native.load()` finds the kernel there."""
+    monkeypatch.setenv("LAYERLINE_HOME", str(compiled))
+    monkeypatch.delenv(native.ENV, raising=False)
+    monkeypatch.delenv("CC", raising=False)
+    return compiled
 
 
 @pytest.fixture
@@ -60,7 +82,7 @@ def uneven_batch(lengths: list[int], *, dtype: torch.dtype, seed: int) -> tuple[
 
 @needs_compiler
 @pytest.mark.parametrize("threads", [1, 2])
-def test_long_and_uneven_contexts_equal_the_gather(home, threads):
+def test_long_and_uneven_contexts_equal_the_gather(built, threads):
     """32 sequences of 1-300 positions in blocks of 16, SmolLM2's heads, on one and two threads."""
     kernel = native.load()
     cache, layout = uneven_batch([1 + (i * 97) % 300 for i in range(32)], dtype=torch.float32, seed=3)
@@ -76,7 +98,7 @@ def test_long_and_uneven_contexts_equal_the_gather(home, threads):
 
 
 @needs_compiler
-def test_bfloat16_pools_are_widened_as_they_are_read(home):
+def test_bfloat16_pools_are_widened_as_they_are_read(built):
     """Bfloat16 pools give float32 attention over the same values, rounded once at the end to the
     query's dtype: 32 sequences of 1-300 positions, SmolLM2's heads."""
     kernel = native.load()
@@ -104,7 +126,7 @@ def test_compiled_once_into_the_cache_then_found_there(home):
 
 
 @needs_compiler
-def test_arguments_that_would_reach_past_the_pools_are_refused(home):
+def test_arguments_that_would_reach_past_the_pools_are_refused(built):
     kernel = native.load()
     tables = torch.tensor([[0, 1], [2, 3]])
     with pytest.raises(ValueError, match=r"decode lengths must lie in 1\.\.8"):
@@ -169,7 +191,7 @@ def test_a_kernel_that_disagrees_with_torch_is_not_used(monkeypatch, fresh_choic
 
 
 @needs_compiler
-def test_scores_far_apart_strided_queries_and_pools_it_cannot_read(home):
+def test_scores_far_apart_strided_queries_and_pools_it_cannot_read(built):
     """Scores spread by hundreds (the exp's clamp and smallest exponent), a query that is a view
     into the step's qkv rows as llama.py passes it, and pools that are not one piece, refused."""
     kernel = native.load()
@@ -206,7 +228,7 @@ def test_a_cache_others_may_write_is_not_loaded_from(home):
 
 
 @needs_compiler
-def test_one_openmp_runtime_in_the_process_and_a_second_refused(home, tmp_path, monkeypatch):
+def test_one_openmp_runtime_in_the_process_and_a_second_refused(built, tmp_path, monkeypatch):
     native.load()
     with open("/proc/self/maps", encoding="utf-8") as f:
         runtimes = {line.split()[-1] for line in f if "libgomp" in line}
@@ -246,7 +268,7 @@ def rotary_step(n: int, *, heads: int, kv_heads: int, d: int, dtype: torch.dtype
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("n", "heads", "kv_heads", "d"), [(32, 9, 3, 64), (3, 4, 4, 16), (40, 6, 1, 128)])
-def test_rotary_and_stores_are_torchs_numbers(home, dtype, n, heads, kv_heads, d):
+def test_rotary_and_stores_are_torchs_numbers(built, dtype, n, heads, kv_heads, d):
     """Bit for bit what llama.py's operations give: q * cos + swap_halves(q) * sin for the queries
     and keys (each product and the sum rounded to the dtype), the keys and values written to the
     step's slots, and no other pool row touched. 40 rows of 1920 go through the parallel loop."""
@@ -263,7 +285,7 @@ def test_rotary_and_stores_are_torchs_numbers(home, dtype, n, heads, kv_heads, d
 
 
 @needs_compiler
-def test_rotary_refuses_slots_outside_the_pools_and_unlike_tensors(home):
+def test_rotary_refuses_slots_outside_the_pools_and_unlike_tensors(built):
     kernel = native.load()
     qkv, cos, sin, (k_pool, v_pool) = rotary_step(2, heads=4, kv_heads=2, d=16, dtype=torch.float32, seed=0)
     with pytest.raises(ValueError, match=r"0\.\.39"):
