@@ -6,15 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+from layerline.shared.cpu import cpu_flags
 from layerline.shared.model_config import LayerRange
 from layerline.stage_worker.parallel import TensorParallel
 from layerline.stage_worker.quantize import (
+    DEQUANTIZED_DTYPE,
     DEQUANTIZED_ROWS,
     INT4_GROUP,
     Int4Linear,
     Int8Embedding,
     Int8Linear,
     QuantizeError,
+    dequantized_rows,
 )
 from layerline.stage_worker.settings import StageSettings
 from layerline.stage_worker.weights import load_stage
@@ -27,6 +30,21 @@ LAYERS = {"int8": Int8Linear, "int4": Int4Linear}
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).norm() / want.norm()).item()
+
+
+def test_many_rows_multiply_in_bfloat16_only_where_the_cpu_has_its_instructions() -> None:
+    """oneDNN says it multiplies bfloat16 on any AVX-512 CPU and emulates it where the instructions
+    are missing, at 2 to 3 times float32's time: on x86 the CPU's flags decide (this machine's too:
+    an AVX-512 Xeon without AVX512_BF16 multiplied in bfloat16 before)."""
+    avx512 = frozenset({"sse2", "avx2", "avx512f", "avx512_vnni"})
+    assert dequantized_rows(onednn_bfloat16=True, flags=avx512) == (128, torch.float32)
+    assert dequantized_rows(onednn_bfloat16=True, flags=avx512 | {"avx512_bf16"}) == (32, torch.bfloat16)
+    assert dequantized_rows(onednn_bfloat16=True, flags=avx512 | {"amx_bf16", "amx_tile"}) == (32, torch.bfloat16)
+    assert dequantized_rows(onednn_bfloat16=False, flags=avx512 | {"avx512_bf16"}) == (128, torch.float32)
+    assert dequantized_rows(onednn_bfloat16=True, flags=frozenset()) == (32, torch.bfloat16)  # not x86: oneDNN's word
+    if "sse2" in cpu_flags():
+        has = bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+        assert (DEQUANTIZED_ROWS, DEQUANTIZED_DTYPE) == ((32, torch.bfloat16) if has else (128, torch.float32))
 
 
 @pytest.mark.parametrize("rows", [1, 3, 17, DEQUANTIZED_ROWS, 300])
