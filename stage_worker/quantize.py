@@ -28,6 +28,8 @@ checkpoints, of the network or of the engine.
 
 from __future__ import annotations
 
+import platform
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -60,18 +62,18 @@ def _dequantized_rows() -> tuple[int, torch.dtype]:
     the CPU has no bfloat16 instructions the weight is made float32 instead, which beat the kernel
     from about 100 rows on (an AVX-512 Xeon without them, one thread, 256 rows: 8.5 ms against 15.7)."""
     onednn = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return dequantized_rows(onednn_bfloat16=onednn, flags=cpu_flags())
+    return dequantized_rows(onednn_bfloat16=onednn, x86=platform.machine() in ("x86_64", "AMD64"), flags=cpu_flags())
 
 
-def dequantized_rows(*, onednn_bfloat16: bool, flags: frozenset[str]) -> tuple[int, torch.dtype]:
+def dequantized_rows(*, onednn_bfloat16: bool, x86: bool, flags: frozenset[str]) -> tuple[int, torch.dtype]:
     """`_dequantized_rows` of a machine: where oneDNN multiplies bfloat16 and the CPU has the
     instructions for it, from 32 rows on in bfloat16; else from 128 in float32. oneDNN says it
     multiplies bfloat16 on any AVX-512 CPU and emulates the instructions where they are missing:
     on 2 cores of an Intel Xeon without them (family 6 model 106), gate_up, down, qkv and o of one
-    SmolLM2 layer at 64, 128 and 256 rows took 11.0, 20.2 and 36.1 ms that way, 4.5, 7.1 and 11.5 ms
-    in float32, 4.7, 9.8 and 19.6 ms through `_weight_int8pack_mm`. So on x86 (whose flags Linux
-    lists) the flags decide: AVX512_BF16 or AMX's bfloat16; elsewhere oneDNN's word."""
-    x86 = bool({"sse2", "avx2", "avx512f"} & flags)
+    SmolLM2 layer at 32, 64, 128 and 256 rows took 5.9, 11.0, 20.2 and 36.1 ms that way, 4.4, 4.5,
+    7.1 and 11.5 ms in float32, 2.6, 4.7, 9.8 and 19.6 ms through `_weight_int8pack_mm`. So on x86
+    the CPU's flags (as Linux lists them; none where unknown) decide: AVX512_BF16 or AMX's
+    bfloat16. Elsewhere oneDNN's word."""
     if onednn_bfloat16 and (not x86 or {"avx512_bf16", "amx_bf16"} & flags):
         return 32, torch.bfloat16
     return 128, torch.float32

@@ -11,8 +11,8 @@ import pytest
 # The test command installs without bytecode (`pip install --no-compile`, README: Tests), leaving it
 # to the first import, which writes what it imports; where the environment sets
 # PYTHONDONTWRITEBYTECODE (some machines set it for every process) nothing is ever written, and each
-# process the suite starts (stage workers, coordinators, relays, `layerline up`: hundreds) compiled
-# torch's modules from source again: `import torch` 4.3 s against 1.7 s from bytecode, measured on
+# process the suite starts that imports torch (stage workers, tensor-parallel ranks, relays) compiled
+# its modules from source again: `import torch` 4.3 s against 1.7 s from bytecode, measured on
 # 2 cores of an Intel Xeon (family 6 model 106). So this process and those it starts write it.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False

@@ -22,23 +22,25 @@ needs_compiler = pytest.mark.skipif(
 )
 
 
+def _kernel_cache(patch: pytest.MonkeyPatch, home: Path) -> Path:
+    """`native.load()` reads and writes `home`'s cache, with the default choice and compiler."""
+    patch.setenv("LAYERLINE_HOME", str(home))
+    patch.delenv(native.ENV, raising=False)
+    patch.delenv("CC", raising=False)
+    return home
+
+
 @pytest.fixture
 def home(tmp_path, monkeypatch) -> Path:
     """A cache of this test's own, empty: `native.load()` compiles into it."""
-    monkeypatch.setenv("LAYERLINE_HOME", str(tmp_path))
-    monkeypatch.delenv(native.ENV, raising=False)
-    monkeypatch.delenv("CC", raising=False)
-    return tmp_path
+    return _kernel_cache(monkeypatch, tmp_path)
 
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory) -> Path:
     """A cache the kernel was compiled into once for this module (a compile takes seconds)."""
-    home = tmp_path_factory.mktemp("kernels")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("LAYERLINE_HOME", str(home))
-        for name in (native.ENV, "CC"):
-            patch.delenv(name, raising=False)
+        home = _kernel_cache(patch, tmp_path_factory.mktemp("kernels"))
         native.load()
     return home
 
@@ -46,10 +48,7 @@ def compiled(tmp_path_factory) -> Path:
 @pytest.fixture
 def built(compiled, monkeypatch) -> Path:
     """This module's compiled cache: `native.load()` finds the kernel there."""
-    monkeypatch.setenv("LAYERLINE_HOME", str(compiled))
-    monkeypatch.delenv(native.ENV, raising=False)
-    monkeypatch.delenv("CC", raising=False)
-    return compiled
+    return _kernel_cache(monkeypatch, compiled)
 
 
 @pytest.fixture

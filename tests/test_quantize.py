@@ -3,6 +3,8 @@ bad values, and the accuracy of the real model against float32."""
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from layerline.stage_worker.quantize import (
     DEQUANTIZED_DTYPE,
     DEQUANTIZED_ROWS,
     INT4_GROUP,
+    KERNEL_ROWS,
     Int4Linear,
     Int8Embedding,
     Int8Linear,
@@ -34,20 +37,21 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def test_many_rows_multiply_in_bfloat16_only_where_the_cpu_has_its_instructions() -> None:
     """oneDNN says it multiplies bfloat16 on any AVX-512 CPU and emulates it where the instructions
-    are missing, at 2 to 3 times float32's time: on x86 the CPU's flags decide (this machine's too:
-    an AVX-512 Xeon without AVX512_BF16 multiplied in bfloat16 before)."""
+    are missing, at up to 3 times float32's time: on x86 the CPU's flags decide, this machine's
+    too (an AVX-512 Xeon without AVX512_BF16 multiplied in bfloat16 before)."""
     avx512 = frozenset({"sse2", "avx2", "avx512f", "avx512_vnni"})
-    assert dequantized_rows(onednn_bfloat16=True, flags=avx512) == (128, torch.float32)
-    assert dequantized_rows(onednn_bfloat16=True, flags=avx512 | {"avx512_bf16"}) == (32, torch.bfloat16)
-    assert dequantized_rows(onednn_bfloat16=True, flags=avx512 | {"amx_bf16", "amx_tile"}) == (32, torch.bfloat16)
-    assert dequantized_rows(onednn_bfloat16=False, flags=avx512 | {"avx512_bf16"}) == (128, torch.float32)
-    assert dequantized_rows(onednn_bfloat16=True, flags=frozenset()) == (32, torch.bfloat16)  # not x86: oneDNN's word
-    if "sse2" in cpu_flags():
-        has = bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+    for bf16 in ({"avx512_bf16"}, {"amx_bf16", "amx_tile"}):
+        assert dequantized_rows(onednn_bfloat16=True, x86=True, flags=avx512 | bf16) == (32, torch.bfloat16)
+    assert dequantized_rows(onednn_bfloat16=True, x86=True, flags=avx512) == (128, torch.float32)
+    assert dequantized_rows(onednn_bfloat16=True, x86=True, flags=frozenset()) == (128, torch.float32)  # flags unknown
+    assert dequantized_rows(onednn_bfloat16=False, x86=True, flags=avx512 | {"avx512_bf16"}) == (128, torch.float32)
+    assert dequantized_rows(onednn_bfloat16=True, x86=False, flags=frozenset()) == (32, torch.bfloat16)  # oneDNN's word
+    if platform.machine() in ("x86_64", "AMD64") and torch.backends.mkldnn.is_available():
+        has = bool({"avx512_bf16", "amx_bf16"} & cpu_flags()) and torch.ops.mkldnn._is_mkldnn_bf16_supported()
         assert (DEQUANTIZED_ROWS, DEQUANTIZED_DTYPE) == ((32, torch.bfloat16) if has else (128, torch.float32))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 17, DEQUANTIZED_ROWS, 300])
+@pytest.mark.parametrize("rows", sorted({1, 3, 17, KERNEL_ROWS, DEQUANTIZED_ROWS - 1, DEQUANTIZED_ROWS, 300}))
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quantized_layer_multiplies_by_its_dense_weight(scheme, rows):
     """The kernel's product equals x W'^T + b, W' the dequantized weight, up to the rounding of x

@@ -320,7 +320,7 @@ def test_up_passes_its_prefix_flags_to_the_coordinator(up: Up, tiny, capsys) -> 
 
     coordinators = [c for c in up.children().values() if " coordinator " in c]
     assert len(coordinators) == 1
-    assert f" --prefix-cache {CoordinatorSettings.prefix_cache!r} " in coordinators[0] + " "
+    assert f" --prefix-cache {CoordinatorSettings.prefix_cache} " in coordinators[0] + " "
     assert "--no-prefix-sharing" not in coordinators[0]
     for command in ("up", "run"):
         given = [command, "--no-prefix-sharing", "--prefix-cache", "0", *(["hi"] if command == "run" else [])]

@@ -128,7 +128,7 @@ def _cluster_flags(p: argparse.ArgumentParser) -> None:
 def _coordinator_args(args: argparse.Namespace) -> tuple[str, ...]:
     """The coordinator's own flags among `up`'s and `run`'s."""
     sharing = ("--no-prefix-sharing",) if args.no_prefix_sharing else ()
-    return ("--speculate", str(args.speculate), "--prefix-cache", repr(args.prefix_cache), *sharing)
+    return ("--speculate", str(args.speculate), "--prefix-cache", str(args.prefix_cache), *sharing)
 
 
 def _start_cluster(args: argparse.Namespace, *, restarts: RestartPolicy = ClusterPlan.restarts) -> LocalCluster:
