@@ -26,6 +26,11 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(_field("flags").split())
 
 
+def is_x86() -> bool:
+    """Whether this is an x86-64 machine (Linux and macOS say x86_64, Windows AMD64)."""
+    return platform.machine() in ("x86_64", "AMD64")
+
+
 def _field(name: str) -> str:
     try:
         lines = CPUINFO.read_text(errors="replace").splitlines()

@@ -28,13 +28,11 @@ checkpoints, of the network or of the engine.
 
 from __future__ import annotations
 
-import platform
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layerline.shared.cpu import cpu_flags
+from layerline.shared.cpu import cpu_flags, is_x86
 
 from .int4_rows import KERNEL_ROWS as INT4_KERNEL_ROWS
 from .int4_rows import bind_int4
@@ -62,7 +60,7 @@ def _dequantized_rows() -> tuple[int, torch.dtype]:
     the CPU has no bfloat16 instructions the weight is made float32 instead, which beat the kernel
     from about 100 rows on (an AVX-512 Xeon without them, one thread, 256 rows: 8.5 ms against 15.7)."""
     onednn = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return dequantized_rows(onednn_bfloat16=onednn, x86=platform.machine() in ("x86_64", "AMD64"), flags=cpu_flags())
+    return dequantized_rows(onednn_bfloat16=onednn, x86=is_x86(), flags=cpu_flags())
 
 
 def dequantized_rows(*, onednn_bfloat16: bool, x86: bool, flags: frozenset[str]) -> tuple[int, torch.dtype]:

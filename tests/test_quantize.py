@@ -3,12 +3,10 @@ bad values, and the accuracy of the real model against float32."""
 
 from __future__ import annotations
 
-import platform
-
 import pytest
 import torch
 
-from layerline.shared.cpu import cpu_flags
+from layerline.shared.cpu import cpu_flags, is_x86
 from layerline.shared.model_config import LayerRange
 from layerline.stage_worker.parallel import TensorParallel
 from layerline.stage_worker.quantize import (
@@ -46,7 +44,7 @@ def test_many_rows_multiply_in_bfloat16_only_where_the_cpu_has_its_instructions(
     assert dequantized_rows(onednn_bfloat16=True, x86=True, flags=frozenset()) == (128, torch.float32)  # flags unknown
     assert dequantized_rows(onednn_bfloat16=False, x86=True, flags=avx512 | {"avx512_bf16"}) == (128, torch.float32)
     assert dequantized_rows(onednn_bfloat16=True, x86=False, flags=frozenset()) == (32, torch.bfloat16)  # oneDNN's word
-    if platform.machine() in ("x86_64", "AMD64") and torch.backends.mkldnn.is_available():
+    if is_x86() and torch.backends.mkldnn.is_available():
         has = bool({"avx512_bf16", "amx_bf16"} & cpu_flags()) and torch.ops.mkldnn._is_mkldnn_bf16_supported()
         assert (DEQUANTIZED_ROWS, DEQUANTIZED_DTYPE) == ((32, torch.bfloat16) if has else (128, torch.float32))
 

@@ -125,14 +125,13 @@ def test_auto_wants_a_build_with_wide_vectors(products, tmp_path):
     """`auto` takes the kernel only from a build with AVX2 or AVX-512 (`-march=native` on such a CPU):
     a build without `-march` (SSE2 on x86-64) says so, and this machine's build says what its CPU has."""
     import ctypes
-    import platform
     import subprocess
 
-    from layerline.shared.cpu import cpu_flags
+    from layerline.shared.cpu import cpu_flags, is_x86
     from layerline.stage_worker import native
 
     assert products.unchecked["rows_vectorized"]() == int(bool({"avx2", "avx512f"} & cpu_flags()))
-    if platform.machine() not in ("x86_64", "AMD64"):
+    if not is_x86():
         return
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     source = next(path for path in native.SOURCES if path.name == "rows.c")

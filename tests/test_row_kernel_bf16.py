@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import platform
 import shutil
 import subprocess
 
@@ -14,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from layerline.shared.cpu import cpu_flags
+from layerline.shared.cpu import cpu_flags, is_x86
 from layerline.stage_worker import native, row_kernel
 from layerline.stage_worker.layouts import Linear, LMHead, PackedLinear, StepThreads, TransposedLinear, can_pack
 from layerline.stage_worker.rows import RowMultiply
@@ -120,7 +119,7 @@ def test_the_build_and_the_rule_pick_the_bfloat16_kernel(products, monkeypatch, 
     `-march=native` has none; `torch`, and `auto` on an Intel CPU with AMX tiles or a CPU of no
     vendor, leave torch's products; `auto` takes the kernel on an Intel CPU without AMX tiles."""
     assert products.unchecked["rows_bf16"]() == int("avx512_bf16" in cpu_flags())
-    if platform.machine() in ("x86_64", "AMD64"):
+    if is_x86():
         compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         source = next(path for path in native.SOURCES if path.name == "rows.c")
         library = tmp_path / "rows.so"

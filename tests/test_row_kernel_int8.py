@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import ctypes
 import os
-import platform
 import shutil
 import subprocess
 
 import pytest
 import torch
 
+from layerline.shared.cpu import is_x86
 from layerline.shared.model_config import LayerRange
 from layerline.stage_worker import int4_rows, native, row_kernel
 from layerline.stage_worker.quantize import DEQUANTIZED_DTYPE, DEQUANTIZED_ROWS, KERNEL_ROWS, Int8Linear
@@ -147,7 +147,7 @@ def test_the_build_and_the_rule_pick_the_int8_kernel(products, monkeypatch, tmp_
     `-march=native` computes the same numbers, in vectors or (on plain x86-64) in its scalar loop."""
     this_build = products.unchecked["rows_i8_vectorized"]()
     assert this_build == 1  # the fixture's kernel serves: it has the vectors
-    if platform.machine() in ("x86_64", "AMD64"):
+    if is_x86():
         compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         source = next(path for path in native.SOURCES if path.name == "rows.c")
         library = tmp_path / "rows.so"
