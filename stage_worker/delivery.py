@@ -31,7 +31,7 @@ from layerline.protos.v1 import common_pb2, stage_pb2
 from layerline.shared.errors import Unreachable
 from layerline.shared.wire import status_message
 
-from .codec import chunk, whole_chunk
+from .codec import WireTensor, chunk, whole_chunk
 from .engine import SequenceError, StepOutput
 from .frames import ReceivedStep
 from .hops import NextHops
@@ -122,7 +122,9 @@ class Delivery:
             return
         header = _forwarded_header(step.header, kept={s.sequence_id for s in out.kept}, dropped=local)
         assert out.hidden is not None or not out.kept
-        hidden = out.hidden if out.hidden is not None else torch.empty(0, self.hidden_size)
+        hidden: torch.Tensor | WireTensor = torch.empty(0, self.hidden_size) if out.hidden is None else out.hidden
+        if step.sent is not None:  # its bytes, made on the compute thread
+            hidden = step.sent
         started = time.perf_counter()
         after_header = self._frames(header, hidden)
         frames = step.times.forwarding(  # each request's hop span goes into its carrier; frames are counted
@@ -152,7 +154,7 @@ class Delivery:
         # This stage's part is done; the result goes to the coordinator.
         step.times.end(error=None, sequence_errors=((sid, str(e.error)) for sid, e in local.items()))
 
-    def _frames(self, header: stage_pb2.StepHeader, hidden: torch.Tensor) -> list[stage_pb2.StepFrame]:
+    def _frames(self, header: stage_pb2.StepHeader, hidden: torch.Tensor | WireTensor) -> list[stage_pb2.StepFrame]:
         """The hidden states in `header` when both fit in one message (no frame after it), else as chunk frames."""
         if whole_chunk(hidden, header.hidden, self.max_chunk_bytes):
             if header.ByteSize() + FRAME_OVERHEAD_BYTES <= self.max_message_bytes:

@@ -31,7 +31,7 @@ from layerline.shared.errors import OverLimit
 from layerline.shared.model_config import LayerRange
 from layerline.shared.wire import sampling_from_wire
 
-from .codec import CodecLimits, Expect, FrameError, Reassembler, dtype_to_wire
+from .codec import CodecLimits, Expect, FrameError, Reassembler, WireTensor, dtype_to_wire
 from .engine import SequenceStep, StepInputError
 from .step_telemetry import StepClock, StreamTelemetry
 
@@ -65,9 +65,20 @@ class ReceivedStep:
     header: stage_pb2.StepHeader
     seqs: list[SequenceStep]
     times: StepClock  # its telemetry hooks (doing nothing when telemetry is off)
-    hidden: torch.Tensor | None = None  # [sum of tokens, hidden_size]; None on the first stage
+    wire: WireTensor | None = None  # its hidden states' bytes as received; None on the first stage
     chain: str = ""  # the route it came by, once checked (`routing`)
     since: int = 0  # tasks the compute thread had begun when it was computed (`compute`)
+    sent: WireTensor | None = None  # the hidden states computed here, as the next hop gets them (`compute`)
+
+    @property
+    def hidden(self) -> torch.Tensor | None:
+        """The received hidden states, [sum of tokens, hidden_size], made a tensor on the thread
+        that asks first (the compute thread: see codec.WireTensor)."""
+        if self._hidden is None and self.wire is not None:
+            self._hidden = self.wire.tensor()
+        return self._hidden
+
+    _hidden: torch.Tensor | None = field(default=None, init=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -145,13 +156,13 @@ class StepAssembler:
             started = time.perf_counter()
             try:
                 expect = _hidden_shape("header.hidden", tokens, self.rules.hidden_size)
-                step.hidden = _hidden_states(self._reassembler, header.hidden, whole=True, expect=expect)
+                step.wire = _hidden_states(self._reassembler, header.hidden, whole=True, expect=expect)
             except FrameError as err:
                 pushed.rejected.append(Rejected(header.step_id, err))
                 self._failed_id = header.step_id
                 return
             step.times.chunk(time.perf_counter() - started)  # its bytes were counted with the header's
-        if self.rules.is_first or step.hidden is not None:
+        if self.rules.is_first or step.wire is not None:
             pushed.steps.append(step)
         else:
             self._current = step
@@ -175,7 +186,7 @@ class StepAssembler:
             return
         step.times.chunk(time.perf_counter() - started, size=frame.ByteSize)
         if tensor is not None:
-            step.hidden = tensor
+            step.wire = tensor
             pushed.steps.append(step)
             self._current = None
 
@@ -286,9 +297,9 @@ def _hidden_shape(name: str, tokens: int, hidden_size: int) -> Expect:
 
 def _hidden_states(
     reassembler: Reassembler, piece: tensor_pb2.TensorChunk, *, whole: bool, expect: Expect | None
-) -> torch.Tensor | None:
-    """Add one chunk of a step's hidden states; the tensor once complete. `whole`: it must be."""
-    tensor = reassembler.add(piece, expect=expect)
+) -> WireTensor | None:
+    """Add one chunk of a step's hidden states; the tensor's bytes once complete. `whole`: they must be."""
+    tensor = reassembler.add_wire(piece, expect=expect)
     if tensor is None and whole:
         reassembler.reset()
         raise FrameError(

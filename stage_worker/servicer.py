@@ -13,7 +13,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -24,7 +23,7 @@ from layerline.shared.access import COORDINATOR, STAGE, require
 from layerline.shared.errors import Forbidden
 
 from .codec import CodecLimits
-from .compute import StageCompute
+from .compute import ComputeThread, StageCompute
 from .delivery import Delivery
 from .engine import StageEngine
 from .frames import StepRules
@@ -60,7 +59,7 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
         telemetry: StageTelemetry,
         routes: RouteGuard,
         tls: bool = False,
-        compute_thread: ThreadPoolExecutor | None = None,
+        compute_thread: ComputeThread | None = None,
     ) -> None:
         self.engine = engine
         self.routes = routes  # which routes this stage follows

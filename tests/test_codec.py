@@ -97,6 +97,16 @@ def test_a_whole_chunk_is_the_first_chunk_where_the_tensor_fits_in_one(t: torch.
         assert into == tensor_pb2.TensorChunk()  # untouched
 
 
+@settings(max_examples=100, deadline=None)
+@given(t=tensors(), chunk_bytes=st.integers(1, 400))
+def test_a_tensors_wire_bytes_are_its_encoding_and_chunk_as_it_does(t: torch.Tensor, chunk_bytes: int) -> None:
+    """What a stage's compute thread makes of its output (wire_tensor) is what the event loop sent before."""
+    wire = codec.wire_tensor(t)
+    assert (wire.dtype, wire.shape, wire.data) == (t.dtype, tuple(t.shape), codec.encode(t).data)
+    assert list(codec.chunk(wire, chunk_bytes)) == list(codec.chunk(t, chunk_bytes))
+    _assert_same(wire.tensor(), t)
+
+
 def test_reassembler_takes_tensor_after_tensor() -> None:
     r = Reassembler(limits=LIMITS)
     for dtype in DTYPES:

@@ -16,6 +16,7 @@ import pytest
 
 from layerline.protos.v1 import stage_pb2, stage_pb2_grpc
 from layerline.shared.model_config import ModelConfig
+from layerline.stage_worker.compute import ComputeThread
 from layerline.stage_worker.engine import StageEngine
 from layerline.stage_worker.server import StageWorker
 from layerline.stage_worker.settings import StageSettings
@@ -90,3 +91,32 @@ def test_loading_the_probe_and_steps_small_and_large_run_on_one_thread(tmp_path,
 
 if __name__ == "__main__":
     pytest.main([__file__])
+
+
+def test_the_compute_thread_runs_tasks_in_order_and_hands_back_results_and_errors():
+    """ComputeThread: `run` (the event loop's) and `submit` (an Executor's) share one thread and
+    one order; a task's error comes back in its future; a task cancelled before it began is skipped."""
+    ran: list[str] = []
+    pool = ComputeThread()
+    gate = threading.Event()
+
+    async def main() -> tuple[object, ...]:
+        blocked = pool.run(gate.wait)  # holds the thread until the tasks below are queued
+        first = pool.run(lambda: ran.append("first") or threading.current_thread().name)
+        skipped = pool.run(lambda: ran.append("cancelled"))
+        skipped.cancel()
+        failing = pool.run(lambda: 1 // 0)
+        last = pool.submit(ran.append, "last")
+        gate.set()
+        await blocked
+        name = await first
+        with pytest.raises(ZeroDivisionError):
+            await failing
+        await asyncio.wrap_future(last)
+        return name, skipped.cancelled()
+
+    name, cancelled = asyncio.run(main())
+    assert (name, cancelled, ran) == ("stage-compute", True, ["first", "last"])
+    pool.shutdown(wait=True)
+    with pytest.raises(RuntimeError):
+        pool.submit(ran.append, "after")
