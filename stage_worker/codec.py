@@ -69,6 +69,7 @@ _TORCH_DTYPE: dict[tensor_pb2.DType, torch.dtype] = {
     tensor_pb2.INT32: torch.int32,
 }
 _WIRE_DTYPE: dict[torch.dtype, tensor_pb2.DType] = {dt: wire for wire, dt in _TORCH_DTYPE.items()}
+_MAX_STRING_AT = (1 << 31) - 1  # ctypes.string_at takes its size as a C int
 _MAX_SPAN_BYTES = 1 << 62  # torch's sizes and strides are int64: no shape may span more, whatever the limit
 
 # A check of the next tensor's dtype and shape by a caller that knows what they must be (raises FrameError).
@@ -122,16 +123,17 @@ def _validated_nbytes(
     return dtype, dims, nbytes
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class WireTensor:
     """A tensor as the wire carries it: dtype, shape and its little-endian row-major bytes."""
 
     dtype: torch.dtype
     shape: tuple[int, ...]
-    data: bytes | bytearray  # a bytearray once received: the tensor made of it owns it
+    data: bytes | bytearray  # a bytearray once received, which the tensor `tensor()` makes of it shares
 
     def tensor(self) -> torch.Tensor:
-        """The tensor of these bytes (sharing a received buffer, copying sent bytes)."""
+        """The tensor of these bytes: over a received buffer itself (made once: frames.ReceivedStep
+        keeps it), over a copy of sent bytes."""
         buf = self.data if isinstance(self.data, bytearray) else bytearray(self.data)
         return _tensor_from(buf, self.dtype, self.shape)
 
@@ -144,7 +146,11 @@ def wire_tensor(t: torch.Tensor) -> WireTensor:
     if not flat.is_contiguous():
         flat = flat.contiguous()
     size = flat.nbytes
-    return WireTensor(t.dtype, tuple(t.shape), ctypes.string_at(flat.data_ptr(), size) if size else b"")
+    if size > _MAX_STRING_AT:
+        data = _to_bytes(_bytes_of(flat)[1])
+    else:
+        data = ctypes.string_at(flat.data_ptr(), size) if size else b""
+    return WireTensor(t.dtype, tuple(t.shape), data)
 
 
 def _tensor_from(buf: bytearray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

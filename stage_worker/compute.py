@@ -52,72 +52,107 @@ class ComputeThread(Executor):
     every line of a hand-off counts: in one process on 2 cores of an Intel Xeon, memory streamed
     between hand-offs as a step streams it, the loop's task began on the thread after 80-134 us
     this way against 210-272 through the executor, and the loop had the result after 187-311 us
-    against 299-374 (medians of 40, three rounds each). A task whose future was cancelled before
-    it began is skipped, as the executor skips it."""
+    against 299-374 (medians of 40, three rounds each). As the executor's: a task whose future
+    was cancelled before it began is skipped; the thread is not a daemon, and the interpreter,
+    exiting, lets it finish what was submitted (`shutdown(wait=False)` does not cut a step off)."""
 
     def __init__(self, name: str = "stage-compute") -> None:
         self._tasks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # `submit` and `shutdown` from any thread: nothing queued after the end
         self._closed = False
-        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._serve, name=name)
         self._thread.start()
+        threading._register_atexit(self.shutdown, wait=False)  # type: ignore[attr-defined]  # as concurrent.futures does
 
     def run(self, fn: Callable[[], T]) -> asyncio.Future[T]:
         """Run `fn` on the thread after everything submitted before it; its outcome in the future."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
-
-        def task() -> None:
-            if future.done():  # cancelled meanwhile
-                return
-            try:
-                outcome: tuple[T | None, BaseException | None] = (fn(), None)
-            except BaseException as err:  # noqa: BLE001 - handed to the awaiting task
-                outcome = (None, err)
-            try:
-                loop.call_soon_threadsafe(_settle, future, *outcome)
-            except RuntimeError:  # the loop is closed: nothing awaits it
-                pass
-
-        self._put(task)
+        self._put(_LoopTask(fn, future, loop))
         return future
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
         future: Future[T] = Future()
-
-        def task() -> None:
-            if not future.set_running_or_notify_cancel():
-                return
-            try:
-                future.set_result(fn(*args, **kwargs))
-            except BaseException as err:  # noqa: BLE001 - handed to the caller
-                future.set_exception(err)
-
-        self._put(task)
+        self._put(_ExecutorTask(lambda: fn(*args, **kwargs), future))
         return future
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """No more tasks; the thread ends after those submitted (and is waited for, if `wait`)."""
-        if not self._closed:
-            self._closed = True
-            self._tasks.put(None)
+        if cancel_futures:
+            raise NotImplementedError("a stage's compute thread always runs what was submitted")
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._tasks.put(None)
         if wait and threading.current_thread() is not self._thread:
             self._thread.join()
 
     def _put(self, task: Callable[[], None]) -> None:
-        if self._closed:
-            raise RuntimeError("the compute thread is shut down")
-        self._tasks.put(task)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the compute thread is shut down")
+            self._tasks.put(task)
 
     def _serve(self) -> None:
         while (task := self._tasks.get()) is not None:
-            task()
+            try:
+                task()
+            except BaseException:  # a task hands its own errors on: this is a defect; the thread goes on
+                log.critical("the compute thread's task failed", exc_info=True)
+            del task  # nothing of it is kept while the thread waits
 
 
-def _settle(future: asyncio.Future[T], result: T | None, err: BaseException | None) -> None:
+class _LoopTask:
+    """`fn`, its outcome for an event loop's future."""
+
+    __slots__ = ("fn", "future", "loop")
+
+    def __init__(self, fn: Callable[[], Any], future: asyncio.Future[Any], loop: asyncio.AbstractEventLoop) -> None:
+        self.fn, self.future, self.loop = fn, future, loop
+
+    def __call__(self) -> None:
+        if self.future.done():  # cancelled before it began
+            return
+        try:
+            result = self.fn()
+        except BaseException as err:  # noqa: BLE001 - handed to the awaiting task
+            self._settle(None, err)
+            del self  # the error's traceback holds this frame: not the future that holds the error
+        else:
+            self._settle(result, None)
+
+    def _settle(self, result: object, err: BaseException | None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(_settle, self.future, result, err)
+        except RuntimeError:  # the loop is closed: nothing awaits it
+            pass
+
+
+class _ExecutorTask:
+    """`fn`, its outcome for a concurrent future (`Executor.submit`'s)."""
+
+    __slots__ = ("fn", "future")
+
+    def __init__(self, fn: Callable[[], Any], future: Future[Any]) -> None:
+        self.fn, self.future = fn, future
+
+    def __call__(self) -> None:
+        if not self.future.set_running_or_notify_cancel():
+            return
+        try:
+            result = self.fn()
+        except BaseException as err:  # noqa: BLE001 - handed to the caller
+            self.future.set_exception(err)
+            del self  # as _LoopTask's
+        else:
+            self.future.set_result(result)
+
+
+def _settle(future: asyncio.Future[Any], result: object, err: BaseException | None) -> None:
     if future.done():
         return
     if err is None:
-        future.set_result(result)  # type: ignore[arg-type]  # a T when no error
+        future.set_result(result)
     else:
         future.set_exception(err)
 
@@ -131,9 +166,17 @@ class StageCompute:
     """The compute thread of a stage's engine."""
 
     def __init__(
-        self, engine: StageEngine, *, executor: ComputeThread | None = None, run_ahead: bool | None = None
+        self,
+        engine: StageEngine,
+        *,
+        executor: ComputeThread | None = None,
+        run_ahead: bool | None = None,
+        sends_whole: int = 1 << 20,
     ) -> None:
         self.engine = engine
+        # Outputs of at most this many bytes (those the next hop gets in one frame, delivery.py)
+        # are made wire bytes on this thread; larger ones are cut into frames on the event loop.
+        self.sends_whole = sends_whole
         self.executor = executor or compute_thread()
         wanted = run_ahead_enabled() if run_ahead is None else run_ahead
         # A first stage that is not tensor-parallel (a LeadingEngine would have to rewind every rank):
@@ -182,8 +225,9 @@ class StageCompute:
                 for sid in header.release_sequence_ids:
                     self.engine.release(sid)
                 out = self.engine.run(step.seqs, step.hidden, alone=header.alone, chain=chain)
-        if out.hidden is not None and not self.engine.is_last:  # what the next hop gets, made here (codec.WireTensor)
-            step.sent = wire_tensor(out.hidden)
+            hidden = out.hidden
+            if hidden is not None and not self.engine.is_last and hidden.nbytes <= self.sends_whole:
+                step.sent = wire_tensor(hidden)  # what the next hop gets, made here (codec.WireTensor)
         step.since = self._taken  # a guess after it waits for nothing only while nothing more was submitted
         if self.run_ahead and header.run_ahead and self.engine.is_last:
             self._guess_after(step, out, {sid: d.token_id for sid, d in out.draws.items()})

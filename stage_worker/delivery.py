@@ -127,6 +127,7 @@ class Delivery:
             hidden = step.sent
         started = time.perf_counter()
         after_header = self._frames(header, hidden)
+        step.sent = None  # in the frames now
         frames = step.times.forwarding(  # each request's hop span goes into its carrier; frames are counted
             step.header.route[0],
             ((s.sequence_id, s.trace_context) for s in header.sequences),

@@ -77,7 +77,9 @@ class StageServicer(stage_pb2_grpc.StageWorkerServicer):
             max_step_tokens=engine.max_step_tokens,
             max_history=engine.config.max_position_embeddings,
         )
-        self.compute = StageCompute(engine, executor=compute_thread)  # the thread the engine was loaded on
+        self.compute = StageCompute(  # on the thread the engine was loaded on
+            engine, executor=compute_thread, sends_whole=limits.max_chunk_bytes
+        )
         self.delivery = Delivery(
             hops,
             is_last=engine.is_last,

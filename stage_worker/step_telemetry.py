@@ -5,7 +5,8 @@ Owns
   what only telemetry needs (sizes, carriers, errors) comes lazily, so that it costs nothing then.
 - `StepTimes`: the clock of one step through this stage: its header's arrival, the bytes and
   decode time of its hidden states, its wait for the compute thread, compute, serialization and
-  the write to the next hop, and its answer going back up. When tracing, each request in the
+  the write to the next hop, and its answer going back up (compute includes making the received
+  bytes a tensor, and an output that goes in one frame into bytes: codec.WireTensor). When tracing, each request in the
   step whose carrier holds a sampled context gets its own span on this hop, `stage START:END`
   (kind SERVER), a child of that request's span on the hop before; its context replaces the
   carrier in the step this stage forwards, so the next hop's span is its child in turn. The span

@@ -13,15 +13,21 @@ import threading
 
 import grpc
 import pytest
+import torch
 
-from layerline.protos.v1 import stage_pb2, stage_pb2_grpc
-from layerline.shared.model_config import ModelConfig
-from layerline.stage_worker.compute import ComputeThread
-from layerline.stage_worker.engine import StageEngine
+from layerline.protos.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
+from layerline.shared.model_config import LayerRange, ModelConfig
+from layerline.shared.sampling import SamplingParams
+from layerline.stage_worker.codec import CodecLimits, Reassembler, WireTensor, whole_chunk
+from layerline.stage_worker.compute import ComputeThread, StageCompute
+from layerline.stage_worker.engine import SequenceStep, StageEngine
+from layerline.stage_worker.frames import ReceivedStep
 from layerline.stage_worker.server import StageWorker
 from layerline.stage_worker.settings import StageSettings
+from layerline.stage_worker.step_telemetry import StepClock
 
 from .stage_client import StepStream, free_port, seq_input
+from .test_engine import engine
 from .tiny_models import make_tiny_checkpoint
 
 
@@ -89,10 +95,6 @@ def test_loading_the_probe_and_steps_small_and_large_run_on_one_thread(tmp_path,
     assert threading.get_ident() not in threads["step"]  # never the event loop's thread
 
 
-if __name__ == "__main__":
-    pytest.main([__file__])
-
-
 def test_the_compute_thread_runs_tasks_in_order_and_hands_back_results_and_errors():
     """ComputeThread: `run` (the event loop's) and `submit` (an Executor's) share one thread and
     one order; a task's error comes back in its future; a task cancelled before it began is skipped."""
@@ -117,6 +119,64 @@ def test_the_compute_thread_runs_tasks_in_order_and_hands_back_results_and_error
 
     name, cancelled = asyncio.run(main())
     assert (name, cancelled, ran) == ("stage-compute", True, ["first", "last"])
+    with pytest.raises(ZeroDivisionError):
+        pool.submit(lambda: 1 // 0).result(timeout=10)
     pool.shutdown(wait=True)
     with pytest.raises(RuntimeError):
         pool.submit(ran.append, "after")
+
+
+def test_a_compute_thread_shut_down_without_waiting_still_runs_what_was_submitted():
+    pool, gate, ran = ComputeThread(), threading.Event(), []
+    pool.submit(gate.wait)
+    queued = pool.submit(ran.append, "queued")
+    pool.shutdown(wait=False)
+    with pytest.raises(RuntimeError):
+        pool.submit(ran.append, "after")
+    gate.set()
+    queued.result(timeout=10)
+    pool.shutdown(wait=True)
+    assert ran == ["queued"]
+
+
+def test_a_stages_hidden_states_cross_as_bytes_made_and_read_on_the_compute_thread(tmp_path, monkeypatch):
+    """A first stage's output goes as the bytes its compute thread made (`ReceivedStep.sent`, those
+    `codec.encode` makes of the tensor; none past `sends_whole`), and a later stage makes the
+    tensor of the bytes it received on its compute thread, never the event loop's: the same token
+    as from the tensor itself."""
+    make_tiny_checkpoint("smollm2", tmp_path)
+    made_on: list[int] = []
+    tensor_of = WireTensor.tensor
+
+    def recorded(wire: WireTensor) -> torch.Tensor:
+        made_on.append(threading.get_ident())
+        return tensor_of(wire)
+
+    monkeypatch.setattr(WireTensor, "tensor", recorded)
+    prompt, greedy = (1, 17, 42, 99, 3), SamplingParams(temperature=0.0)
+    first, later = SequenceStep("a", tuple(range(5)), prompt), SequenceStep("a", tuple(range(5)), sampling=greedy)
+
+    def step(*seqs: SequenceStep, wire: WireTensor | None = None) -> ReceivedStep:
+        return ReceivedStep(stage_pb2.StepHeader(step_id=1, alone=True), list(seqs), times=StepClock(), wire=wire)
+
+    async def main() -> tuple[int, WireTensor | None, torch.Tensor, int]:
+        sent = step(first)
+        out = await StageCompute(engine(tmp_path, LayerRange(0, 2)), run_ahead=False).start(sent)
+        too_large = step(first)
+        await StageCompute(engine(tmp_path, LayerRange(0, 2)), run_ahead=False, sends_whole=8).start(too_large)
+        assert sent.sent is not None and out.hidden is not None
+        frame = tensor_pb2.TensorChunk()
+        assert whole_chunk(sent.sent, frame, 1 << 20)
+        received = step(later, wire=Reassembler(limits=CodecLimits()).add_wire(frame))
+        drawn = await StageCompute(engine(tmp_path, LayerRange(2, 4)), run_ahead=False).start(received)
+        return threading.get_ident(), too_large.sent, out.hidden, drawn.draws["a"].token_id
+
+    loop, too_large, hidden, token = asyncio.run(main())
+    assert too_large is None
+    assert len(made_on) == 1 and made_on[0] != loop
+    direct = engine(tmp_path, LayerRange(2, 4)).run([later], hidden)
+    assert token == direct.draws["a"].token_id
+
+
+if __name__ == "__main__":
+    pytest.main([__file__])
