@@ -33,6 +33,8 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future
 from typing import Any, TypeVar
 
+import torch
+
 from .codec import wire_tensor
 from .engine import SequenceStep, StageEngine, StepOutput
 from .frames import ReceivedStep
@@ -155,6 +157,18 @@ def _settle(future: asyncio.Future[Any], result: object, err: BaseException | No
         future.set_result(result)
     else:
         future.set_exception(err)
+
+
+def stay_in_inference_mode() -> None:
+    """The calling thread (a stage's compute thread, its model loaded) in torch's inference mode from
+    now on, as every step runs: a step then neither enters nor leaves it, which took 40 us of a lone
+    token's step, its caches cold (one process, 2 cores of an Intel Xeon, family 6 model 106). Its
+    tensors are inference tensors, read anywhere; none of them is changed in place on another thread."""
+    _held.inference = torch.inference_mode()  # the mode lasts while its context is held: the thread's life
+    _held.inference.__enter__()
+
+
+_held = threading.local()
 
 
 def compute_thread() -> ComputeThread:

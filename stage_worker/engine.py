@@ -148,18 +148,19 @@ class StageEngine:
         `alone`: no other step of the chain is in flight, so this one may take `prefill_threads`.
         `chain`: the route the step came by; a sequence belongs to the chain it started on, and only
         steps of that chain continue it or copy its KV.
-        A step that returns is counted in `steps_computed` and `compute_seconds` (the probe is not).
-        """
+        A step that returns is counted in `steps_computed` and `compute_seconds` (the probe is not)."""
         started = time.perf_counter()
         out = self._step(seqs, hidden, alone=alone, chain=chain)
         self.compute_seconds += time.perf_counter() - started
         self.steps_computed += 1
         return out
 
-    @torch.inference_mode()
     def _step(
         self, seqs: Sequence[SequenceStep], hidden: torch.Tensor | None, *, alone: bool, chain: str = ""
     ) -> StepOutput:
+        if not torch.is_inference_mode_enabled():  # a stage's compute thread stays in it (compute.py)
+            with torch.inference_mode():
+                return self._step(seqs, hidden, alone=alone, chain=chain)
         with self._lock:
             if self.cache.device.type == "cpu":
                 self._use_threads(alone=alone)
@@ -208,9 +209,7 @@ class StageEngine:
         if not out.kept:
             return out
         if self.is_first:
-            inputs = torch.tensor(
-                [t for s in out.kept for t in s.token_ids], dtype=torch.long, device=self.cache.device
-            )
+            inputs = self.model.embed([t for s in out.kept for t in s.token_ids])
         else:
             assert hidden is not None
             if len(out.kept) < len(seqs):  # only the rows of the sequences that run

@@ -19,6 +19,8 @@ import torch
 
 from layerline.shared.errors import NoCapacity
 
+from . import kernel_args
+
 
 class KVCacheExhausted(NoCapacity):
     """The pool has too few free blocks for a sequence's new tokens."""
@@ -77,9 +79,12 @@ class StepLayout:
 
     seq_lens: tuple[int, ...]  # new tokens of each sequence, in packed order
     block_size: int  # token slots per KV block
-    positions: torch.Tensor  # [T] absolute position of every new token
+    # Every new token's absolute position, and the decode rows (single-token sequences, drafted
+    # tokens), batched together: as numbers, made tensors at their first use (`positions`,
+    # `decode_rows`), which a lone token's step on the compiled kernels never makes
+    token_positions: tuple[int, ...]
+    decode_row_ids: tuple[int, ...]
     write_slots: torch.Tensor  # [T] cache slot each new token's K and V are written to
-    decode_rows: torch.Tensor  # [D] decode rows (single-token sequences, drafted tokens), batched together
     decode_blocks: torch.Tensor  # [D, Bmax] their block tables, padded (whole blocks are gathered)
     mask_dtype: torch.dtype  # `decode_mask`'s: the pools' dtype
     prefills: tuple[PrefillSpan, ...]  # every other sequence, one attention call each
@@ -87,6 +92,9 @@ class StepLayout:
     # it, so attention straight off the pools reads no further than it (paged_attention.py)
     decode_length: int
     decode_lens: torch.Tensor  # [D] the positions each decode row attends over (its own the last)
+    # The positions as a range where they are one (a step of one sequence): its rotary rows are then
+    # a slice of the table (StageModel.rope). None otherwise.
+    positions_run: range | None
     # A step of one decoding sequence whose blocks are consecutive in the pool (as a sequence's
     # blocks are, taken from a pool nobody fragmented): its context is the slots [start, stop),
     # read as a view of the pool, without a gather and without a mask. None otherwise.
@@ -97,7 +105,23 @@ class StepLayout:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.positions.shape[0])
+        return len(self.token_positions)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[T] absolute position of every new token (on the CPU)."""
+        return self._memo_tensor("positions", self.token_positions, torch.device("cpu"))
+
+    @property
+    def decode_rows(self) -> torch.Tensor:
+        """[D] the decode rows, on the pools' device."""
+        return self._memo_tensor("decode_rows", self.decode_row_ids, self.write_slots.device)
+
+    def _memo_tensor(self, key: str, numbers: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        made = self.memo.get(key)
+        if not isinstance(made, torch.Tensor):
+            made = self.memo[key] = torch.tensor(numbers, dtype=torch.long, device=device)
+        return made
 
     @property
     def decode_mask(self) -> torch.Tensor:
@@ -138,7 +162,7 @@ class PagedKVCache:
         self.shape = shape
         self.dtype = dtype
         self.device = torch.device(device)
-        slots = shape.num_blocks * shape.block_size
+        slots = self.slots = shape.num_blocks * shape.block_size  # rows of each pool
         # Per layer: [num_blocks * block_size, num_kv_heads, head_dim], one row per token slot.
         self.k = {
             i: torch.zeros(slots, shape.num_kv_heads, shape.head_dim, dtype=dtype, device=self.device)
@@ -305,26 +329,29 @@ class PagedKVCache:
                 decode_lens.append(p + 1)
             self._lengths[seq] = end
             row += n
-        width = max((len(t) for t in decode_tables), default=0)
-        padded = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long)
-        padded = padded.view(len(decode_tables), width)  # [sequences, width], also where there are none
-        if len(table_of) > len(decode_tables):  # some sequence has several decode rows
-            padded = padded[torch.tensor(table_of, dtype=torch.long)]  # [D, width]
-        lens = torch.tensor(decode_lens, dtype=torch.long)
+        # [D, width]: each decode row's block table, padded; with its lengths and the write slots checked
+        # against the pools as the compiled kernels read them, from these numbers (kernel_args.py)
+        tables = [decode_tables[i] for i in table_of]
+        batch = kernel_args.decode_batch(tables, decode_lens, block=block, slots=self.slots)
+        writes = kernel_args.write_slots(write, pool_slots=self.slots)
         alone = len(decode_lens) == 1 and not prefills
-        return StepLayout(
+        layout = StepLayout(
             seq_lens=tuple(seq_lens),
             block_size=block,
-            positions=torch.tensor(positions, dtype=torch.long),
-            write_slots=torch.tensor(write, dtype=torch.long, device=self.device),
-            decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=self.device),
-            decode_blocks=padded.to(self.device),
+            token_positions=tuple(positions),
+            decode_row_ids=tuple(decode_rows),
+            write_slots=writes.slots if on_cpu else writes.slots.to(self.device),
+            decode_blocks=batch.tables if on_cpu else batch.tables.to(self.device),
             mask_dtype=self.dtype,
             prefills=tuple(prefills),
             decode_length=max(decode_lens, default=0),
-            decode_lens=lens,
+            decode_lens=batch.lens,
+            positions_run=range(positions[0], positions[-1] + 1) if len(seq_lens) == 1 and positions else None,
             decode_slots=_consecutive(decode_tables[0], block, decode_lens[0]) if alone else None,
         )
+        if on_cpu:
+            layout.memo.update(decode_batch=batch, write_slots=writes)
+        return layout
 
 
 def _slots(table: list[int], block_size: int, positions: range) -> list[int]:

@@ -18,18 +18,20 @@ loading (layouts.py), of how tensors are cut (sharding.py), the network or sampl
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
-from layerline.shared.model_config import LayerRange, ModelConfig, RopeConfig
+from layerline.shared.model_config import LayerRange, ModelConfig
 
 from .fused import rms_norm, silu_mul
 from .kv_cache import PagedKVCache, StepLayout
 from .paged_attention import attends_off_pools, paged_decode_attention, reads_pools, rotated_and_stored
 from .parallel import SINGLE_RANK, TensorParallel
+from .rotary import rope_inv_freq
 from .sharding import Shards, shards_for
 from .step_paths import DecodePath, RowPath
 
@@ -54,28 +56,6 @@ class StepThreads:
 
 
 ROPE_TABLE_ROWS = 1024  # positions in a stage's first rotary table, at most its context (`StageModel.rope`)
-
-
-def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """[head_dim / 2] float32 inverse frequencies, with linear or Llama 3 scaling applied.
-
-    Always on the CPU, even under `torch.device("meta")`: meta arithmetic runs torch's Python
-    reference kernels, whose first use imports torch._dynamo (over a second of a worker's start)."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
-    inv_freq = 1.0 / (rope.theta**exponents)
-    if rope.rope_type == "linear":
-        return inv_freq / rope.factor
-    if rope.rope_type == "llama3":
-        old_len = rope.original_max_position_embeddings
-        low_wavelen = old_len / rope.low_freq_factor
-        high_wavelen = old_len / rope.high_freq_factor
-        wavelen = 2 * torch.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
-        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        return torch.where(medium, smoothed, scaled)
-    return inv_freq
 
 
 def swap_halves(x: torch.Tensor) -> torch.Tensor:
@@ -322,7 +302,7 @@ class StageModel(nn.Module):
         """The CPU threads the next steps run on, as the engine decided (see `StepThreads`)."""
         self.step_threads.count = threads
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype, *, run: range | None = None) -> tuple[Tensor, Tensor]:
         """cos and the signed sin, each [T, 1, head_dim], computed in float32 then cast.
 
         The sine's first half is negated: rotary is then `x * cos + swap_halves(x) * sin`, the
@@ -331,13 +311,17 @@ class StageModel(nn.Module):
         ROPE_TABLE_ROWS), made by the same operations on them all: elementwise, so the same bits
         as made for the step's positions alone, in one indexing instead of eight small operations
         a step (23 -> 9 us of a step's fixed work on 2 cores of an Intel Xeon). The table stops at the
-        model's context (`max_position_embeddings`) unless a step asks past it.
-        """
-        end = int(positions.max()) + 1 if positions.numel() else 0
+        model's context (`max_position_embeddings`) unless a step asks past it. `run`: the positions
+        as a range, where they are one (StepLayout's `positions_run`): a slice of the table, read
+        only (the indexing and the read of the largest took 60 us of a lone token's step, its
+        caches cold: 2 cores of an Intel Xeon, model 106)."""
+        end = run.stop if run is not None else int(positions.max()) + 1 if positions.numel() else 0
         table = self._rope_tables.get(dtype)
         if table is None or table[0] is not self.inv_freq or table[1].shape[0] < end:
             rows = max(end, min(max(ROPE_TABLE_ROWS, 1 << (end - 1).bit_length()), self.config.max_position_embeddings))
             table = self._rope_tables[dtype] = (self.inv_freq, *self._rope_rows(torch.arange(rows), dtype))
+        if run is not None:
+            return table[1][run.start : run.stop], table[2][run.start : run.stop]
         at = positions.to(self.inv_freq.device)
         return table[1][at], table[2][at]
 
@@ -359,13 +343,13 @@ class StageModel(nn.Module):
     ) -> torch.Tensor:
         """Run one packed micro-batch through this stage.
 
-        `inputs` is [T] token ids on the first stage, else [T, hidden] hidden states.
+        `inputs` is [T] token ids on the first stage (or their rows, `embed`), else [T, hidden] hidden states.
         Returns [T, hidden] hidden states, or on the last stage [R, vocab] float32 logits for
         `logit_rows` (every row when None). `argmax_only`: the caller reads only each row's argmax
         (`sampler.greedy`), and a path may return rows that keep only that (rows.py, head_screen.py).
         """
-        x = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs  # [T, hidden]
-        cos, sin = self.rope(layout.positions, x.dtype)
+        x = self.embed_tokens(inputs) if self.embed_tokens is not None and inputs.dim() == 1 else inputs  # [T, hidden]
+        cos, sin = self.rope(layout.positions, x.dtype, run=layout.positions_run)
         if self.row_path is not None and layout.decode_slots is not None and x.shape[0] == 1:
             threads = self.step_threads.count
             out = self.row_path(x, cos, sin, cache=cache, layout=layout, threads=threads, argmax_only=argmax_only)
@@ -387,6 +371,18 @@ class StageModel(nn.Module):
             return screened
         logits = self.tp.all_gather(self.lm_head(x))  # [R, vocab padded to a multiple of tp]
         return logits[:, : self.config.vocab_size].float()  # [R, vocab]
+
+    def embed(self, token_ids: Sequence[int]) -> Tensor:
+        """[T, hidden]: the first stage's rows for `token_ids`. A lone token's, where the embedding is
+        one rank's plain weight, is a view of its row, read only (a step never changes its input in
+        place): a tensor of the id and the embedding's call took 90 us of its step, caches cold."""
+        embed = self.embed_tokens
+        assert embed is not None, "only the first stage embeds"
+        weight = embed.weight
+        if len(token_ids) == 1 and type(embed) is VocabParallelEmbedding and embed.tp.size == 1:
+            if 0 <= (token := token_ids[0]) < weight.shape[0]:  # else the embedding's own IndexError
+                return weight.detach()[token : token + 1]
+        return embed(torch.tensor(token_ids, dtype=torch.long, device=weight.device))
 
     def screened(self, x: torch.Tensor, argmax_only: bool) -> torch.Tensor | None:
         """The head's answer for the final norm's rows x through its screen (head_screen.py), where

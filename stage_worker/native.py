@@ -35,13 +35,14 @@ import shutil
 import signal
 import subprocess
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from layerline.model_store.store import cache_root
+
+from .kernel_args import DecodeBatch, WriteSlots
 
 log = logging.getLogger(__name__)
 
@@ -86,47 +87,6 @@ SIGNATURES: dict[str, tuple[list[Any], Any]] = {
 
 class KernelUnavailable(Exception):
     """Why the kernel is not used (turned off, no compiler, a compile error)."""
-
-
-@dataclass(frozen=True)
-class DecodeBatch:
-    """A decode batch's block tables and lengths, checked once a step against the pools' size."""
-
-    tables: torch.Tensor  # [n, width] int64, contiguous: the block ids of each sequence
-    lens: torch.Tensor  # [n] int64: the positions each sequence attends to (1 .. width * block)
-    block: int  # slots per block
-    slots: int  # slots per pool
-
-
-def decode_batch(tables: torch.Tensor, lens: torch.Tensor, *, block: int, slots: int) -> DecodeBatch:
-    """`tables` and `lens` as the kernel may read them: ValueError if any would reach past the pools."""
-    if tables.dim() != 2 or lens.shape != (tables.shape[0],):
-        raise ValueError(f"block tables {tuple(tables.shape)} and lengths {tuple(lens.shape)} do not match")
-    tables, lens = tables.to("cpu", torch.int64).contiguous(), lens.to("cpu", torch.int64).contiguous()
-    n, width = tables.shape
-    if n and (int(lens.min()) < 1 or int(lens.max()) > width * block):
-        raise ValueError(f"decode lengths must lie in 1..{width * block} (block tables of {width} blocks of {block})")
-    if n and width and (int(tables.min()) < 0 or int(tables.max()) >= slots // block):
-        raise ValueError(f"block ids must lie in 0..{slots // block - 1}")
-    return DecodeBatch(tables, lens, block, slots)
-
-
-@dataclass(frozen=True)
-class WriteSlots:
-    """The pool rows a step's new keys and values go to, checked once a step against the pools' size."""
-
-    slots: torch.Tensor  # [n] int64, contiguous
-    pool_slots: int  # rows per pool
-
-
-def write_slots(slots: torch.Tensor, *, pool_slots: int) -> WriteSlots:
-    """`slots` as `rotate_and_store` may write them: ValueError if one lies outside the pools."""
-    slots = slots.to("cpu", torch.int64).contiguous()
-    if slots.dim() != 1:
-        raise ValueError(f"write slots must be one row of indices, not {tuple(slots.shape)}")
-    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= pool_slots):
-        raise ValueError(f"write slots must lie in 0..{pool_slots - 1}")
-    return WriteSlots(slots, pool_slots)
 
 
 def _plain(t: torch.Tensor) -> bool:

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import native
+from . import kernel_args, native
 from .kv_cache import StepLayout
 
 log = logging.getLogger(__name__)
@@ -118,22 +118,23 @@ def paged_decode_attention(
     return kernel(q, k_pool, v_pool, step_decode_batch(layout, slots=k_pool.shape[0]))
 
 
-def step_decode_batch(layout: StepLayout, *, slots: int) -> native.DecodeBatch:
+def step_decode_batch(layout: StepLayout, *, slots: int) -> kernel_args.DecodeBatch:
     """`layout`'s block tables and lengths as the kernel reads them, checked against pools of
-    `slots` rows once a step (kept in `layout.memo` for every layer)."""
+    `slots` rows once a step (kept in `layout.memo` for every layer; kv_cache.plan_step puts them
+    there on the CPU, checked against its pools)."""
     batch = layout.memo.get("decode_batch")
-    if not isinstance(batch, native.DecodeBatch):
-        batch = native.decode_batch(layout.decode_blocks, layout.decode_lens, block=layout.block_size, slots=slots)
+    if not isinstance(batch, kernel_args.DecodeBatch) or batch.slots != slots:
+        batch = kernel_args.decode_batch(layout.decode_blocks, layout.decode_lens, block=layout.block_size, slots=slots)
         layout.memo["decode_batch"] = batch
     return batch
 
 
-def step_write_slots(layout: StepLayout, *, pool_slots: int) -> native.WriteSlots:
+def step_write_slots(layout: StepLayout, *, pool_slots: int) -> kernel_args.WriteSlots:
     """`layout`'s write slots as the kernel writes them, checked against pools of `pool_slots`
     rows once a step (kept in `layout.memo` for every layer)."""
     slots = layout.memo.get("write_slots")
-    if not isinstance(slots, native.WriteSlots):
-        slots = native.write_slots(layout.write_slots, pool_slots=pool_slots)
+    if not isinstance(slots, kernel_args.WriteSlots) or slots.pool_slots != pool_slots:
+        slots = kernel_args.write_slots(layout.write_slots, pool_slots=pool_slots)
         layout.memo["write_slots"] = slots
     return slots
 
@@ -228,7 +229,8 @@ def _rotary_is_torchs(kernel: native.PagedAttentionKernel, dtype: torch.dtype) -
     cos, sin = (torch.randn(n, 1, d, generator=generator).to(dtype) for _ in range(2))
     slots = torch.randperm(12, generator=generator)[:n]
     k_pool, v_pool = torch.zeros(12, kvh, d, dtype=dtype), torch.zeros(12, kvh, d, dtype=dtype)
-    q = kernel.rotate_and_store(qkv, cos, sin, k_pool, v_pool, native.write_slots(slots, pool_slots=12), heads=heads)
+    stores = kernel_args.write_slots(slots, pool_slots=12)
+    q = kernel.rotate_and_store(qkv, cos, sin, k_pool, v_pool, stores, heads=heads)
     qk = qkv[:, : heads + kvh]
     rotated = qk * cos + qk.roll(d // 2, -1) * sin  # rolling by half a head swaps its halves
     return (
@@ -251,7 +253,7 @@ def _disagreement(
     tables = torch.randperm(40, generator=generator)[: 4 * width].view(4, width)
     lens = torch.tensor([37, 1, 16, 9])
     q = torch.randn(4, heads, d, generator=generator)
-    ours = kernel(q, k_held, v_held, native.decode_batch(tables, lens, block=block, slots=40 * block))
+    ours = kernel(q, k_held, v_held, kernel_args.decode_batch(tables, lens, block=block, slots=40 * block))
     k_pool, v_pool = k_held.float(), v_held.float()
     held = torch.arange(width * block) < lens[:, None]
     mask = torch.zeros(held.shape).masked_fill_(~held, float("-inf"))[:, None, None, :]

@@ -36,7 +36,7 @@ from layerline.shared.tls import member_files
 
 from . import tp_group
 from .codec import CodecLimits, dtype_to_wire
-from .compute import compute_thread
+from .compute import compute_thread, stay_in_inference_mode
 from .engine import StageEngine
 from .hops import NextHops
 from .kv_cache import CacheShape, PagedKVCache
@@ -201,6 +201,7 @@ class StageWorker:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await loop.run_in_executor(self.compute_thread, self.load)
+        await loop.run_in_executor(self.compute_thread, stay_in_inference_mode)  # as every step runs
         telemetry = Telemetry(s.telemetry, service=f"layerline-stage-{self.layers.start}-{self.layers.end}")
         self.member_credentials = tls.channel_credentials() if tls is not None else None
         hops = NextHops(max_message_bytes=s.max_message_bytes, credentials=self.member_credentials)

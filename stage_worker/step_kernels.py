@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from . import native
+from . import kernel_args, native
 from .fused import norm_kernel, silu_kernel
 from .kv_cache import StepLayout
 from .paged_attention import compiled_kernel, reads_pools, rotary_kernel, step_decode_batch, step_write_slots
@@ -71,8 +71,8 @@ class StepKernels:
         cos: torch.Tensor,
         sin: torch.Tensor,
         *,
-        batch: native.DecodeBatch,
-        slots: native.WriteSlots,
+        batch: kernel_args.DecodeBatch,
+        slots: kernel_args.WriteSlots,
         heads: int,
         kv_heads: int,
         head_dim: int,

@@ -25,8 +25,9 @@ from torch import nn
 from layerline.shared.model_config import ConfigError, LayerRange, ModelConfig
 
 from .layouts import apply_layouts
-from .llama import StageModel, rope_inv_freq
+from .llama import StageModel
 from .parallel import SINGLE_RANK, TensorParallel
+from .rotary import rope_inv_freq
 from .settings import check_quantize, check_weight_layout
 from .sharding import ZEROS, Piece, piece_for
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from layerline.stage_worker import fused, native, paged_attention, tiles
+from layerline.stage_worker import fused, kernel_args, native, paged_attention, tiles
 from layerline.stage_worker.kv_cache import CacheShape, PagedKVCache, StepLayout
 from layerline.stage_worker.llama import gathered_decode_attention, swap_halves
 
@@ -89,7 +89,7 @@ def test_long_and_uneven_contexts_equal_the_gather(built, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        batch = native.decode_batch(layout.decode_blocks, layout.decode_lens, block=16, slots=700 * 16)
+        batch = kernel_args.decode_batch(layout.decode_blocks, layout.decode_lens, block=16, slots=700 * 16)
         out = kernel(q, cache.k[0], cache.v[0], batch)
     finally:
         torch.set_num_threads(before)
@@ -103,7 +103,7 @@ def test_bfloat16_pools_are_widened_as_they_are_read(built):
     kernel = native.load()
     cache, layout = uneven_batch([1 + (i * 89) % 300 for i in range(32)], dtype=torch.bfloat16, seed=4)
     q = torch.randn(32, 9, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
-    batch = native.decode_batch(layout.decode_blocks, layout.decode_lens, block=16, slots=700 * 16)
+    batch = kernel_args.decode_batch(layout.decode_blocks, layout.decode_lens, block=16, slots=700 * 16)
     out = kernel(q, cache.k[0], cache.v[0], batch)
     assert out.dtype == torch.bfloat16 and out.shape == (32, 9 * 64)
     wide = kernel(q.float(), cache.k[0], cache.v[0], batch)  # a float32 query: float32 out, not rounded
@@ -129,12 +129,12 @@ def test_arguments_that_would_reach_past_the_pools_are_refused(built):
     kernel = native.load()
     tables = torch.tensor([[0, 1], [2, 3]])
     with pytest.raises(ValueError, match=r"decode lengths must lie in 1\.\.8"):
-        native.decode_batch(tables, torch.tensor([9, 2]), block=4, slots=16)
+        kernel_args.decode_batch(tables, torch.tensor([9, 2]), block=4, slots=16)
     with pytest.raises(ValueError, match=r"decode lengths must lie in 1\.\.8"):
-        native.decode_batch(tables, torch.tensor([0, 2]), block=4, slots=16)
+        kernel_args.decode_batch(tables, torch.tensor([0, 2]), block=4, slots=16)
     with pytest.raises(ValueError, match=r"block ids must lie in 0\.\.3"):
-        native.decode_batch(tables + 1, torch.tensor([8, 2]), block=4, slots=16)
-    batch = native.decode_batch(tables, torch.tensor([8, 2]), block=4, slots=16)
+        kernel_args.decode_batch(tables + 1, torch.tensor([8, 2]), block=4, slots=16)
+    batch = kernel_args.decode_batch(tables, torch.tensor([8, 2]), block=4, slots=16)
     pool = torch.zeros(16, 1, 8)
     with pytest.raises(ValueError, match="do not fit"):
         kernel(torch.zeros(2, 2, 8), pool, torch.zeros(32, 1, 8), batch)  # a pool of another size
@@ -207,7 +207,7 @@ def test_scores_far_apart_strided_queries_and_pools_it_cannot_read(built):
     qkv = torch.randn(2, 6 + 2 * 2, 16, generator=generator) * 100  # [T, h + 2 kvh, d]
     q = qkv.split([6, 4], dim=1)[0]
     assert not q.is_contiguous()
-    batch = native.decode_batch(layout.decode_blocks, layout.decode_lens, block=4, slots=128)
+    batch = kernel_args.decode_batch(layout.decode_blocks, layout.decode_lens, block=4, slots=128)
     out = kernel(q, cache.k[0], cache.v[0], batch)
     reference = gathered_decode_attention(q.contiguous(), cache.k[0], cache.v[0], layout=layout)
     scores = torch.einsum("hd,ld->hl", q[0, :3].contiguous(), cache.k[0][:31, 0]) * 16**-0.5
@@ -274,7 +274,8 @@ def test_rotary_and_stores_are_torchs_numbers(built, dtype, n, heads, kv_heads, 
     kernel = native.load()
     qkv, cos, sin, (k_pool, v_pool) = rotary_step(n, heads=heads, kv_heads=kv_heads, d=d, dtype=dtype, seed=n)
     slots = torch.randperm(40)[:n]
-    q = kernel.rotate_and_store(qkv, cos, sin, k_pool, v_pool, native.write_slots(slots, pool_slots=40), heads=heads)
+    stores = kernel_args.write_slots(slots, pool_slots=40)
+    q = kernel.rotate_and_store(qkv, cos, sin, k_pool, v_pool, stores, heads=heads)
     qk, v = qkv.split([heads + kv_heads, kv_heads], dim=1)
     rotated = qk * cos + swap_halves(qk) * sin
     assert torch.equal(q, rotated[:, :heads]) and q.is_contiguous()
@@ -288,10 +289,10 @@ def test_rotary_refuses_slots_outside_the_pools_and_unlike_tensors(built):
     kernel = native.load()
     qkv, cos, sin, (k_pool, v_pool) = rotary_step(2, heads=4, kv_heads=2, d=16, dtype=torch.float32, seed=0)
     with pytest.raises(ValueError, match=r"0\.\.39"):
-        native.write_slots(torch.tensor([3, 40]), pool_slots=40)
+        kernel_args.write_slots(torch.tensor([3, 40]), pool_slots=40)
     with pytest.raises(ValueError, match=r"0\.\.39"):
-        native.write_slots(torch.tensor([-1, 2]), pool_slots=40)
-    slots = native.write_slots(torch.tensor([3, 5]), pool_slots=40)
+        kernel_args.write_slots(torch.tensor([-1, 2]), pool_slots=40)
+    slots = kernel_args.write_slots(torch.tensor([3, 5]), pool_slots=40)
     with pytest.raises(ValueError, match="checked against 40 pool rows, not 20"):
         kernel.rotate_and_store(qkv, cos, sin, k_pool[:20], v_pool[:20], slots, heads=4)
     with pytest.raises(ValueError, match="all of one dtype"):
@@ -300,7 +301,7 @@ def test_rotary_refuses_slots_outside_the_pools_and_unlike_tensors(built):
         kernel.rotate_and_store(qkv, cos, sin, k_pool, v_pool, slots, heads=5)
     with pytest.raises(ValueError, match="3 slots for 2 rows"):
         kernel.rotate_and_store(
-            qkv, cos, sin, k_pool, v_pool, native.write_slots(torch.tensor([1, 2, 3]), pool_slots=40), heads=4
+            qkv, cos, sin, k_pool, v_pool, kernel_args.write_slots(torch.tensor([1, 2, 3]), pool_slots=40), heads=4
         )
     assert not k_pool.any() and not v_pool.any()  # nothing refused wrote anything
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from layerline.shared.model_config import LayerRange
-from layerline.stage_worker import native
+from layerline.stage_worker import kernel_args
 from layerline.stage_worker.paged_attention import compiled_kernel
 from layerline.stage_worker.weights import load_stage
 
@@ -46,9 +46,9 @@ def test_a_sequences_rows_together_are_each_rows_bits_alone(kernel, dtype, d, bl
     padded = torch.tensor([tables[n] + [0] * (width - len(tables[n])) for n, _ in rows])
     lens = torch.tensor([length for _, length in rows])
     q = torch.randn(len(rows), h, d, generator=gen).to(dtype)
-    together = kernel(q, k_pool, v_pool, native.decode_batch(padded, lens, block=block, slots=slots))
+    together = kernel(q, k_pool, v_pool, kernel_args.decode_batch(padded, lens, block=block, slots=slots))
     for i in range(len(rows)):
-        alone = native.decode_batch(padded[i : i + 1], lens[i : i + 1], block=block, slots=slots)
+        alone = kernel_args.decode_batch(padded[i : i + 1], lens[i : i + 1], block=block, slots=slots)
         assert torch.equal(together[i : i + 1], kernel(q[i : i + 1], k_pool, v_pool, alone)), rows[i]
 
 
