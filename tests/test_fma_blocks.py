@@ -1,5 +1,6 @@
 """float32 and bfloat16 products on FMAs (stage_worker/fma_blocks.py, kernels/blocks.c): the layouts;
-float32's exact sums (rounded once to bfloat16) to the bit, every count of rows a tile leaves; a lone
+float32's exact sums (rounded once to bfloat16) to the bit, every count of rows a tile leaves; each
+block once whatever the team; a lone
 row the same alone and in a batch; the refusals; a stage that keeps its weights in blocks alone, its
 prefill, decode batch and lone token within a rounding of oneDNN's; the rule that picks it."""
 
@@ -83,6 +84,23 @@ def test_exact_sums_are_float32s_rounded_once_for_every_count_of_rows(dtype, thr
         x = _integers(rows, fan_in, generator=generator, dtype=dtype)
         exact = (x.float() @ weight.float().t() + (0 if b is None else b.float())).to(dtype)
         torch.testing.assert_close(product(x), exact, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_the_blocks_claimed_by_a_team_are_each_computed_once(dtype, threads):
+    """The threads claim blocks from a shared count as they go (blocks.c): over many calls, with
+    as many threads as blocks claimed at once differ (18, 30, 96 and 1536 blocks), every output
+    is the one thread's, to the bit."""
+    generator = torch.Generator().manual_seed(threads)
+    for out, fan_in in ((576, 1536), (960, 576), (3072, 576), (49152, 64)):
+        weight = torch.randn(out, fan_in, generator=generator).to(dtype)
+        product = tiles.bound_product(tiles.pack(weight), None)
+        x = torch.randn(13, fan_in, generator=generator).to(dtype)
+        torch.set_num_threads(1)
+        alone = product(x)
+        torch.set_num_threads(threads)
+        for _ in range(20):
+            assert torch.equal(product(x), alone)
 
 
 def test_random_rows_are_within_a_rounding_and_a_row_is_the_same_alone_and_in_a_batch(dtype):
