@@ -27,10 +27,17 @@ class DecodeBatch:
 
 
 def decode_batch(
-    tables: torch.Tensor | Sequence[Sequence[int]], lens: torch.Tensor | Sequence[int], *, block: int, slots: int
+    tables: torch.Tensor | Sequence[Sequence[int]],
+    lens: torch.Tensor | Sequence[int],
+    *,
+    block: int,
+    slots: int,
+    table_of: Sequence[int] | None = None,
 ) -> DecodeBatch:
     """`tables` and `lens` as the kernel may read them: ValueError if any would reach past the pools.
-    Python numbers: each row's blocks (a shorter row padded with block 0) and its length."""
+    Python numbers: each sequence's blocks (a shorter one padded with block 0), each row's length,
+    and `table_of` each row's sequence (None: a row a sequence); checked and padded once a sequence,
+    not once a row (a prompt's every token is a row: kv_cache.plan_step's `token_rows`)."""
     if isinstance(tables, torch.Tensor) and isinstance(lens, torch.Tensor):
         if tables.dim() != 2 or lens.shape != (tables.shape[0],):
             raise ValueError(f"block tables {tuple(tables.shape)} and lengths {tuple(lens.shape)} do not match")
@@ -39,13 +46,17 @@ def decode_batch(
         shortest, longest = (int(lens.min()), int(lens.max())) if n else (1, 0)
         first, last = (int(tables.min()), int(tables.max())) if n and width else (0, -1)
     else:
-        n, width = len(tables), max(map(len, tables), default=0)
-        if len(lens) != n:
-            raise ValueError(f"{n} block tables and {len(lens)} lengths do not match")
+        rows = range(len(tables)) if table_of is None else table_of
+        n, width = len(rows), max(map(len, tables), default=0)
+        if len(lens) != n or (n and (min(rows) < 0 or max(rows) >= len(tables))):
+            raise ValueError(f"block tables ({n}, {width}) and lengths ({len(lens)},) do not match")
         shortest, longest = (min(lens), max(lens)) if n else (1, 0)
         first, last = (min(min(t) for t in tables if t), max(max(t) for t in tables if t)) if width else (0, -1)
         lens = torch.tensor(lens, dtype=torch.int64)
-        tables = torch.tensor([[*t, *[0] * (width - len(t))] for t in tables], dtype=torch.int64).view(n, width)
+        padded = torch.tensor([[*t, *[0] * (width - len(t))] for t in tables], dtype=torch.int64)
+        tables = padded.view(len(tables), width)
+        if list(rows) != list(range(len(tables))):  # some sequence has several rows, or none
+            tables = tables[torch.tensor(rows, dtype=torch.int64)]
     if shortest < 1 or longest > width * block:
         raise ValueError(f"decode lengths must lie in 1..{width * block} (block tables of {width} blocks of {block})")
     if first < 0 or last >= slots // block:

@@ -331,8 +331,7 @@ class PagedKVCache:
             row += n
         # [D, width]: each decode row's block table, padded; with its lengths and the write slots checked
         # against the pools as the compiled kernels read them, from these numbers (kernel_args.py)
-        tables = [decode_tables[i] for i in table_of]
-        batch = kernel_args.decode_batch(tables, decode_lens, block=block, slots=self.slots)
+        batch = kernel_args.decode_batch(decode_tables, decode_lens, block=block, slots=self.slots, table_of=table_of)
         writes = kernel_args.write_slots(write, pool_slots=self.slots)
         alone = len(decode_lens) == 1 and not prefills
         layout = StepLayout(

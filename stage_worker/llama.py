@@ -302,7 +302,7 @@ class StageModel(nn.Module):
         """The CPU threads the next steps run on, as the engine decided (see `StepThreads`)."""
         self.step_threads.count = threads
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype, *, run: range | None = None) -> tuple[Tensor, Tensor]:
+    def rope(self, positions: Tensor | None, dtype: torch.dtype, *, run: range | None = None) -> tuple[Tensor, Tensor]:
         """cos and the signed sin, each [T, 1, head_dim], computed in float32 then cast.
 
         The sine's first half is negated: rotary is then `x * cos + swap_halves(x) * sin`, the
@@ -315,15 +315,21 @@ class StageModel(nn.Module):
         as a range, where they are one (StepLayout's `positions_run`): a slice of the table, read
         only (the indexing and the read of the largest took 60 us of a lone token's step, its
         caches cold: 2 cores of an Intel Xeon, model 106)."""
-        end = run.stop if run is not None else int(positions.max()) + 1 if positions.numel() else 0
+        if run is not None:
+            table = self._rope_table(dtype, run.stop)
+            return table[0][run.start : run.stop], table[1][run.start : run.stop]
+        assert positions is not None, "the positions, or their run"
+        table = self._rope_table(dtype, int(positions.max()) + 1 if positions.numel() else 0)
+        at = positions.to(self.inv_freq.device)
+        return table[0][at], table[1][at]
+
+    def _rope_table(self, dtype: torch.dtype, end: int) -> tuple[Tensor, Tensor]:
+        """cos and the signed sin of positions 0 .. at least end - 1 (`rope`)."""
         table = self._rope_tables.get(dtype)
         if table is None or table[0] is not self.inv_freq or table[1].shape[0] < end:
             rows = max(end, min(max(ROPE_TABLE_ROWS, 1 << (end - 1).bit_length()), self.config.max_position_embeddings))
             table = self._rope_tables[dtype] = (self.inv_freq, *self._rope_rows(torch.arange(rows), dtype))
-        if run is not None:
-            return table[1][run.start : run.stop], table[2][run.start : run.stop]
-        at = positions.to(self.inv_freq.device)
-        return table[1][at], table[2][at]
+        return table[1], table[2]
 
     def _rope_rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]  # [T, d/2]
@@ -349,7 +355,8 @@ class StageModel(nn.Module):
         (`sampler.greedy`), and a path may return rows that keep only that (rows.py, head_screen.py).
         """
         x = self.embed_tokens(inputs) if self.embed_tokens is not None and inputs.dim() == 1 else inputs  # [T, hidden]
-        cos, sin = self.rope(layout.positions, x.dtype, run=layout.positions_run)
+        run = layout.positions_run  # a run's rows are a slice: its positions' tensor is never made
+        cos, sin = self.rope(layout.positions if run is None else None, x.dtype, run=run)
         if self.row_path is not None and layout.decode_slots is not None and x.shape[0] == 1:
             threads = self.step_threads.count
             out = self.row_path(x, cos, sin, cache=cache, layout=layout, threads=threads, argmax_only=argmax_only)
@@ -378,11 +385,10 @@ class StageModel(nn.Module):
         place): a tensor of the id and the embedding's call took 90 us of its step, caches cold."""
         embed = self.embed_tokens
         assert embed is not None, "only the first stage embeds"
-        weight = embed.weight
         if len(token_ids) == 1 and type(embed) is VocabParallelEmbedding and embed.tp.size == 1:
-            if 0 <= (token := token_ids[0]) < weight.shape[0]:  # else the embedding's own IndexError
-                return weight.detach()[token : token + 1]
-        return embed(torch.tensor(token_ids, dtype=torch.long, device=weight.device))
+            if 0 <= (token := token_ids[0]) < embed.weight.shape[0]:  # else the embedding's own IndexError
+                return embed.weight.detach()[token : token + 1]
+        return embed(torch.tensor(token_ids, dtype=torch.long, device=self.inv_freq.device))  # int8's too
 
     def screened(self, x: torch.Tensor, argmax_only: bool) -> torch.Tensor | None:
         """The head's answer for the final norm's rows x through its screen (head_screen.py), where

@@ -388,6 +388,7 @@ def run_follower(settings: StageSettings, *, rank: int, master: str) -> int:
         rank=rank, size=settings.tp, master=master, timeout_s=settings.tp_timeout, device=settings.device
     )
     engine = worker.build_engine(tp)
+    stay_in_inference_mode()  # this thread runs the rank's steps from now on, as rank 0's compute thread
     try:
         follow(engine, tp.group)
     except RankFailed as err:

@@ -1,8 +1,8 @@
 """float32 and bfloat16 products on FMAs (stage_worker/fma_blocks.py, kernels/blocks.c): the layouts;
-float32's exact sums (rounded once to bfloat16) to the bit, every count of rows a tile leaves; each
-block once whatever the team; a lone
-row the same alone and in a batch; the refusals; a stage that keeps its weights in blocks alone, its
-prefill, decode batch and lone token within a rounding of oneDNN's; the rule that picks it."""
+float32's exact sums (rounded once to bfloat16) to the bit, every count of rows a tile leaves; every
+block computed whatever the team; a lone row the same alone and in a batch; the refusals; a stage
+that keeps its weights in blocks alone, its prefill, decode batch and lone token within a rounding
+of oneDNN's; the rule that picks it."""
 
 from __future__ import annotations
 
@@ -90,17 +90,18 @@ def test_exact_sums_are_float32s_rounded_once_for_every_count_of_rows(dtype, thr
 def test_the_blocks_claimed_by_a_team_are_each_computed_once(dtype, threads):
     """The threads claim blocks from a shared count as they go (blocks.c): over many calls, with
     as many threads as blocks claimed at once differ (18, 30, 96 and 1536 blocks), every output
-    is the one thread's, to the bit."""
+    is the one thread's, to the bit (two inputs in turn: an output left unwritten would hold the
+    other's numbers, or none)."""
     generator = torch.Generator().manual_seed(threads)
     for out, fan_in in ((576, 1536), (960, 576), (3072, 576), (49152, 64)):
         weight = torch.randn(out, fan_in, generator=generator).to(dtype)
         product = tiles.bound_product(tiles.pack(weight), None)
-        x = torch.randn(13, fan_in, generator=generator).to(dtype)
+        xs = [torch.randn(13, fan_in, generator=generator).to(dtype) for _ in range(2)]
         torch.set_num_threads(1)
-        alone = product(x)
+        alone = [product(x) for x in xs]
         torch.set_num_threads(threads)
-        for _ in range(20):
-            assert torch.equal(product(x), alone)
+        for i in range(20):
+            assert torch.equal(product(xs[i % 2]), alone[i % 2])
 
 
 def test_random_rows_are_within_a_rounding_and_a_row_is_the_same_alone_and_in_a_batch(dtype):

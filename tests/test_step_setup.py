@@ -44,7 +44,8 @@ def _outcome(make):
 )
 def test_python_numbers_are_checked_as_the_tensors_are(tables, lens, block):
     """`decode_batch` of Python numbers refuses what the tensors' check refuses, with the same
-    message, and gives the same tensors (rows padded with block 0) where it accepts."""
+    message, and gives the same tensors (rows padded with block 0) where it accepts (a table and a
+    length a row; mismatched counts below)."""
     lens = (lens + [1] * len(tables))[: len(tables)]
     width = max(map(len, tables), default=0)
     padded = torch.tensor([[*t, *[0] * (width - len(t))] for t in tables], dtype=torch.int64).view(len(tables), width)
@@ -70,8 +71,24 @@ def test_write_slots_of_python_numbers_are_checked_as_the_tensors_are(slots):
 
 
 def test_mismatched_tables_and_lengths_are_refused_naming_both():
-    with pytest.raises(ValueError, match="2 block tables and 1 lengths do not match"):
-        kernel_args.decode_batch([[0], [1]], [1], block=4, slots=16)
+    for tables, lens in (([[0], [1]], [1]), (torch.tensor([[0], [1]]), torch.tensor([1]))):
+        with pytest.raises(ValueError, match=r"block tables \(2, 1\) and lengths \(1,\) do not match"):
+            kernel_args.decode_batch(tables, lens, block=4, slots=16)
+    with pytest.raises(ValueError, match=r"block tables \(2, 1\) and lengths \(2,\) do not match"):
+        kernel_args.decode_batch([[0]], [1, 2], block=4, slots=16, table_of=[0, 1])  # no second table
+
+
+def test_a_sequences_table_serves_each_of_its_rows():
+    """`table_of`: a sequence's table checked and padded once, then read by each of its rows (a
+    prompt's tokens, drafted tokens), as the tensors indexed by row give it."""
+    tables, lens, table_of = [[4, 5, 6], [2]], [9, 10, 11, 3], [0, 0, 0, 1]
+    batch = kernel_args.decode_batch(tables, lens, block=4, slots=32, table_of=table_of)
+    assert batch.tables.tolist() == [[4, 5, 6], [4, 5, 6], [4, 5, 6], [2, 0, 0]]
+    assert batch.lens.tolist() == lens
+    with pytest.raises(ValueError, match=r"decode lengths must lie in 1\.\.12"):
+        kernel_args.decode_batch(tables, [9, 10, 13, 3], block=4, slots=32, table_of=table_of)
+    with pytest.raises(ValueError, match=r"block ids must lie in 0\.\.5"):
+        kernel_args.decode_batch(tables, lens, block=4, slots=24, table_of=table_of)
 
 
 def test_a_layout_carries_its_kernel_arguments_checked_against_its_pools():
