@@ -169,3 +169,22 @@ def test_a_decode_layer_through_the_kernels_rotary_is_torchs_to_the_bit(pools_pa
             out = attention(x, cos, sin, k_pool=k_pool, v_pool=v_pool, layout=dataclasses.replace(layout))
         outs.append((out, k_pool, v_pool))
     assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
+
+
+@pytest.mark.parametrize("pools_path", ["compiled"], indirect=True)
+@pytest.mark.parametrize("threads", [2, 3, 7])
+def test_a_decode_batch_of_uneven_contexts_gives_the_same_bits_whatever_the_threads(threads, pools_path):
+    """The rows go to whichever thread is free (more threads than cores, or than rows, too): each
+    row is still one thread's, summed in the same order."""
+    lengths = [1 + (7 * i) % 23 for i in range(5)]
+    cache, layout = scattered_batch(lengths, kv_heads=3)
+    q = torch.randn(len(lengths), 9, 8, generator=torch.Generator().manual_seed(2))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = paged_decode_attention(q, cache.k[0], cache.v[0], layout=layout)
+        torch.set_num_threads(threads)
+        for _ in range(5):
+            assert torch.equal(paged_decode_attention(q, cache.k[0], cache.v[0], layout=layout), alone)
+    finally:
+        torch.set_num_threads(before)

@@ -67,6 +67,6 @@ int layerline_argmax_vectorized(void) {
 }
 
 void layerline_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t stride, int threads, int64_t *out) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 4 && threads > 1)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (rows >= 4 && threads > 1)
     for (int64_t r = 0; r < rows; ++r) out[r] = row_argmax(x + r * stride, cols);
 }

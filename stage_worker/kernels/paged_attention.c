@@ -372,8 +372,9 @@ static inline void run(const void *restrict q, int q_bf16, const char *restrict 
  * `bf16` else float32; tables [n, width] block ids; lens [n] (each at least 1, at most width *
  * block); out [n, h, d] in q's dtype. All contiguous. A bfloat16 query is widened (exactly) as the
  * call begins and its output rounded once at the end, as torch's conversions around it would.
- * Where every run (`find_runs`) is one row (a decode batch), the rows are shared out statically;
- * else the runs one at a time, the later (longer) ones of a prompt to whichever thread is free. */
+ * The runs (`find_runs`) are handed out one at a time to whichever thread is free: a decode batch's
+ * rows (each a run of one), whose contexts differ, and a prompt's runs, the later ones longer. A
+ * thread preempted by another process then delays the rest by the run it holds, not by its share. */
 int layerline_paged_attention(const void *restrict q, int q_bf16, const void *restrict k_pool,
                               const void *restrict v_pool, int bf16, const int64_t *restrict tables,
                               const int64_t *restrict lens, int64_t n, int64_t width, int64_t block, int64_t h,
@@ -400,18 +401,10 @@ int layerline_paged_attention(const void *restrict q, int q_bf16, const void *re
         /* Offsets into the buffer only once it exists: arithmetic on a null pointer is undefined. */
         float *wide = failed ? NULL : scores + rows * scored, *qw = failed ? NULL : wide + widened,
               *ow = failed ? NULL : qw + rows * head;
-        if (runs == n) {
-#pragma omp for schedule(static)
-            for (int64_t s = 0; s < n; ++s)
-                if (scores) run(q, q_bf16, k_pool, v_pool, bf16, tables + s * width, lens, s, 1, block, h, kvh, d,
-                                scale, scores, scored, wide, qw, ow, out);
-        } else {
-            /* The later runs of a prompt read longer contexts: handed out one at a time. */
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t u = 0; u < runs; ++u) /* the longest row's table holds the blocks of them all */
-                if (scores) run(q, q_bf16, k_pool, v_pool, bf16, tables + (starts[u + 1] - 1) * width, lens, starts[u],
-                                starts[u + 1] - starts[u], block, h, kvh, d, scale, scores, scored, wide, qw, ow, out);
-        }
+        for (int64_t u = 0; u < runs; ++u) /* the longest row's table holds the blocks of them all */
+            if (scores) run(q, q_bf16, k_pool, v_pool, bf16, tables + (starts[u + 1] - 1) * width, lens, starts[u],
+                            starts[u + 1] - starts[u], block, h, kvh, d, scale, scores, scored, wide, qw, ow, out);
         free(scores);
     }
     if (starts != lone) free(starts);
@@ -431,7 +424,7 @@ void layerline_rotate_and_store(const void *restrict qkv, const void *restrict c
                                 void *restrict v_pool) {
     CONTRACT_OFF
     const int64_t half = d / 2, width = (h + 2 * kvh) * d;
-#pragma omp parallel for num_threads(threads) schedule(static) if (n * width >= 16384)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (n * width >= 16384)
     for (int64_t r = 0; r < n; ++r) {
         for (int64_t j = 0; j < h + kvh; ++j) {
             const int64_t at = r * width + j * d; /* this head's row in qkv */
@@ -542,7 +535,7 @@ UNFUSED
 void layerline_rms_norm(const void *restrict x, const void *restrict w, int bf16, int64_t rows, int64_t n, float eps,
                         int threads, void *restrict out) {
     const int64_t size = bf16 ? 2 : 4;
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= 65536)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (rows * n >= 65536)
     for (int64_t r = 0; r < rows; ++r) norm_row((const char *)x + r * n * size, w, bf16, n, eps, (char *)out + r * n * size);
 }
 
@@ -554,7 +547,7 @@ void layerline_add_rms_norm(const void *restrict x, const void *restrict y, cons
                             int64_t rows, int64_t n, float eps, int threads, void *restrict sum, void *restrict out) {
     CONTRACT_OFF
     const int64_t size = bf16 ? 2 : 4;
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= 8192)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (rows * n >= 8192)
     for (int64_t r = 0; r < rows; ++r) {
         if (bf16) {
             const uint16_t *xr = (const uint16_t *)x + r * n, *yr = (const uint16_t *)y + r * n;
@@ -608,7 +601,7 @@ UNFUSED
 void layerline_silu_mul(const void *restrict gate_up, int bf16, int64_t rows, int64_t width, int threads,
                         void *restrict out) {
     CONTRACT_OFF
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows * width >= 8192)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (rows * width >= 8192)
     for (int64_t r = 0; r < rows; ++r) {
         if (bf16) {
             const uint16_t *g = (const uint16_t *)gate_up + r * 2 * width, *up = g + width;
