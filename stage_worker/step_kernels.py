@@ -95,8 +95,9 @@ class StepKernels:
         self._heads, self._kv_heads, self._d = heads, kv_heads, d
         self._pool = (batch.slots, kv_heads, d)
         self._qkv = (rows, (heads + 2 * kv_heads) * d)
-        # A lone row on one thread: the kernels share out sequences and rows, and there is one of each.
-        self._threads = 1 if rows == 1 else torch.get_num_threads()
+        # Every kernel's team: a lone row's attention cuts its heads among the threads (at a long
+        # context); the others share out rows, and run alone on one (kernels/paged_attention.c).
+        self._threads = torch.get_num_threads()
 
     @property
     def bound(self) -> StepArguments:

@@ -54,10 +54,12 @@ def pools_path(request, monkeypatch, kernel_home):
     rotary_kernel.cache_clear()
 
 
-def scattered_batch(lengths: list[int], *, kv_heads: int, block_size: int = 4) -> tuple[PagedKVCache, StepLayout]:
+def scattered_batch(
+    lengths: list[int], *, kv_heads: int, block_size: int = 4, dtype: torch.dtype = torch.float32
+) -> tuple[PagedKVCache, StepLayout]:
     """A pool whose sequences' blocks interleave (they grew a token at a time, side by side),
     every slot random, then one decode step of each: its layout."""
-    cache = PagedKVCache(CacheShape(64, block_size, kv_heads, 8), layer_ids=range(1), dtype=torch.float32)
+    cache = PagedKVCache(CacheShape(64, block_size, kv_heads, 8), layer_ids=range(1), dtype=dtype)
     names = [f"s{i}" for i in range(len(lengths))]
     for name in names:
         cache.reserve(name, 1)
@@ -172,13 +174,15 @@ def test_a_decode_layer_through_the_kernels_rotary_is_torchs_to_the_bit(pools_pa
 
 
 @pytest.mark.parametrize("pools_path", ["compiled"], indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lengths", [[1, 8, 15, 22, 6], [57]], ids=["uneven", "lone"])
 @pytest.mark.parametrize("threads", [2, 3, 7])
-def test_a_decode_batch_of_uneven_contexts_gives_the_same_bits_whatever_the_threads(threads, pools_path):
-    """The rows go to whichever thread is free (more threads than cores, or than rows, too): each
+def test_a_decode_batch_gives_the_same_bits_whatever_the_threads(threads, lengths, dtype, pools_path):
+    """Rows go to whichever thread is free, and where there are fewer rows than threads each row's
+    query heads are cut in parts (more threads than cores, or than heads, too): each head of each
     row is still one thread's, summed in the same order."""
-    lengths = [1 + (7 * i) % 23 for i in range(5)]
-    cache, layout = scattered_batch(lengths, kv_heads=3)
-    q = torch.randn(len(lengths), 9, 8, generator=torch.Generator().manual_seed(2))
+    cache, layout = scattered_batch(lengths, kv_heads=3, dtype=dtype)
+    q = torch.randn(len(lengths), 9, 8, generator=torch.Generator().manual_seed(2)).to(dtype)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -188,3 +192,6 @@ def test_a_decode_batch_of_uneven_contexts_gives_the_same_bits_whatever_the_thre
             assert torch.equal(paged_decode_attention(q, cache.k[0], cache.v[0], layout=layout), alone)
     finally:
         torch.set_num_threads(before)
+    reference = bagged_decode_attention(q.float(), cache.k[0].float(), cache.v[0].float(), layout=layout)
+    close = {"rtol": 0.05, "atol": 0.05} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(alone.float(), reference, **close)

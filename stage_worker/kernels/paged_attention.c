@@ -6,7 +6,8 @@
  * came with it), so its team is the one torch's kernels use on that thread.
  *
  * One run of a sequence's consecutive rows per iteration (a decoding sequence's one row, a prompt's
- * rows, a token and its drafts: `attend_rows`, each row to the bit as alone): its keys and values
+ * rows, a token and its drafts: `attend_rows`, each row to the bit as alone; a lone run's query
+ * heads in as many parts as threads, each head to the bit as in one part): its keys and values
  * are read block by block where the pools hold them (a block's rows of every kv head are
  * contiguous), never gathered into a copy. For each
  * query head: scores = q . k * scale over the sequence's own length, a softmax (max subtracted,
@@ -184,6 +185,17 @@ static inline const float *as_float(const char *restrict rows, int64_t count, in
     return wide;
 }
 
+/* Kv heads g0 .. g1 - 1 of a block's `n` positions (rows of kvh heads of d elements) as float32, at
+ * their places in the block: the pool's own memory where it holds float32, else those heads
+ * widened into `wide`. */
+static inline const float *heads_as_float(const char *restrict rows, int64_t n, int64_t kvh, int64_t d, int64_t g0,
+                                          int64_t g1, int bf16, float *restrict wide) {
+    if (!bf16 || (g0 == 0 && g1 == kvh)) return as_float(rows, n * kvh * d, bf16, wide);
+    for (int64_t t = 0; t < n; ++t)
+        as_float(rows + 2 * (t * kvh + g0) * d, (g1 - g0) * d, 1, wide + (t * kvh + g0) * d);
+    return wide;
+}
+
 /* Each of the h rows of `len` scores (row j at scores + j * len) made its softmax in place: its
  * maximum subtracted, e^ of each, each times one reciprocal of their sum. */
 static inline __attribute__((always_inline)) void softmax(float *restrict scores, int64_t h, int64_t len) {
@@ -233,9 +245,11 @@ static inline __attribute__((always_inline)) void weigh(float *restrict o, const
 
 /* `count` rows of one sequence at consecutive positions (a decoding sequence's one row, or a
  * prompt's, or a token and its drafts): row r attends over the first `first + r` positions of
- * `table`, q [count, h, d] -> out [count, h, d]. `scores` holds a row's h lines of scores every
- * `stride` floats (a multiple of 16, from a 64-byte line), head j's at j * its length; `wide` a
- * block's kvh * d * block. Query heads g * group .. g * group + group - 1 read kv head g.
+ * `table`, q [count, h, d] -> out [count, h, d], in query heads `from` .. `to` - 1 (the others'
+ * outputs untouched: another thread may be computing them). `scores` holds a row's h lines of
+ * scores every `stride` floats (a multiple of 16, from a 64-byte line), head j's at j * its length;
+ * `wide` a block's kvh * d * block. Query heads g * group .. g * group + group - 1 read kv head g,
+ * and only the kv heads the query heads read are asked for ahead and widened.
  *
  * A row's arithmetic is the same whatever rows come with it: its dot products (16 keys at a time,
  * `dots16`, the rest `dot`, as far as its own length reaches into a block), its softmax over its
@@ -247,22 +261,25 @@ static inline __attribute__((always_inline)) void attend_rows(const float *restr
                                                               const char *restrict v_pool, const int bf16,
                                                               const int64_t *restrict table, int64_t first,
                                                               int64_t count, int64_t block, int64_t h, int64_t kvh,
-                                                              const int64_t d, float scale, float *restrict scores,
-                                                              int64_t stride, float *restrict wide,
-                                                              float *restrict out) {
+                                                              const int64_t d, float scale, int64_t from, int64_t to,
+                                                              float *restrict scores, int64_t stride,
+                                                              float *restrict wide, float *restrict out) {
     const int64_t group = h / kvh, size = bf16 ? 2 : 4, row = kvh * d * size, last = first + count - 1;
+    const int64_t g0 = from / group, g1 = (to + group - 1) / group; /* the kv heads these query heads read */
+    const int64_t skip = g0 * d * size, span = (g1 - g0) * d * size; /* their part of a position's row */
     for (int64_t b = 0, p0 = 0; p0 < last; ++b, p0 += block) {
         const int64_t n = last - p0 < block ? last - p0 : block;
-        const float *keys = as_float(k_pool + table[b] * block * row, n * kvh * d, bf16, wide);
+        const float *keys = heads_as_float(k_pool + table[b] * block * row, n, kvh, d, g0, g1, bf16, wide);
         const char *next = p0 + block < last ? k_pool + table[b + 1] * block * row : v_pool + table[0] * block * row;
         int64_t ahead = 0; /* the next block's rows asked for a few at a time, as the dot products go */
         for (int64_t r = p0 < first ? 0 : p0 - first + 1; r < count; ++r) { /* the rows that reach p0 */
             const int64_t len = first + r, reach = len - p0 < n ? len - p0 : n;
             const float *qr = q + r * h * d;
             float *sr = scores + r * stride + p0;
-            for (int64_t g = 0; g < kvh; ++g) {
-                if (ahead < n) fetch(next + ahead++ * row, row);
-                for (int64_t j = g * group; j < (g + 1) * group; ++j) {
+            for (int64_t g = g0; g < g1; ++g) {
+                if (ahead < n) fetch(next + ahead++ * row + skip, span);
+                const int64_t j1 = (g + 1) * group < to ? (g + 1) * group : to;
+                for (int64_t j = g * group < from ? from : g * group; j < j1; ++j) {
                     float *sj = sr + j * len;
                     int64_t t = 0;
                     if (d >= 16 && d % 16 == 0)
@@ -275,23 +292,26 @@ static inline __attribute__((always_inline)) void attend_rows(const float *restr
                 }
             }
         }
-        for (; ahead < n; ++ahead) fetch(next + ahead * row, row);
+        for (; ahead < n; ++ahead) fetch(next + ahead * row + skip, span);
     }
-    for (int64_t r = 0; r < count; ++r) softmax(scores + r * stride, h, first + r);
-    memset(out, 0, sizeof(float) * (size_t)(count * h * d));
+    for (int64_t r = 0; r < count; ++r) {
+        softmax(scores + r * stride + from * (first + r), to - from, first + r);
+        memset(out + (r * h + from) * d, 0, sizeof(float) * (size_t)((to - from) * d));
+    }
     for (int64_t b = 0, p0 = 0; p0 < last; ++b, p0 += block) {
         const int64_t n = last - p0 < block ? last - p0 : block;
-        const float *values = as_float(v_pool + table[b] * block * row, n * kvh * d, bf16, wide);
+        const float *values = heads_as_float(v_pool + table[b] * block * row, n, kvh, d, g0, g1, bf16, wide);
         const char *next = p0 + block < last ? v_pool + table[b + 1] * block * row : NULL;
         int64_t ahead = next ? 0 : n; /* the next block's rows asked for a few at a time, as the sums go */
         for (int64_t r = p0 < first ? 0 : p0 - first + 1; r < count; ++r) { /* the rows that reach p0 */
             const int64_t len = first + r, reach = len - p0 < n ? len - p0 : n;
             const float *sr = scores + r * stride + p0;
             float *orow = out + r * h * d;
-            for (int64_t g = 0; g < kvh; ++g) {
-                if (ahead < n) fetch(next + ahead++ * row, row);
-                for (int64_t j = g * group; j < (g + 1) * group; j += 4) {
-                    const int64_t heads = (g + 1) * group - j < 4 ? (g + 1) * group - j : 4;
+            for (int64_t g = g0; g < g1; ++g) {
+                if (ahead < n) fetch(next + ahead++ * row + skip, span);
+                const int64_t j1 = (g + 1) * group < to ? (g + 1) * group : to;
+                for (int64_t j = g * group < from ? from : g * group; j < j1; j += 4) {
+                    const int64_t heads = j1 - j < 4 ? j1 - j : 4;
                     float *o = orow + j * d;
                     const float *w = sr + j * len, *v = values + g * d;
                     if (heads == 4) /* on constants: the sums stay in registers */
@@ -305,7 +325,7 @@ static inline __attribute__((always_inline)) void attend_rows(const float *restr
                 }
             }
         }
-        for (; ahead < n; ++ahead) fetch(next + ahead * row, row);
+        for (; ahead < n; ++ahead) fetch(next + ahead * row + skip, span);
     }
 }
 
@@ -313,10 +333,11 @@ static inline __attribute__((always_inline)) void attend_rows(const float *restr
  * loops, no dtype test per row). */
 static void attend_run(const float *restrict q, const char *restrict k_pool, const char *restrict v_pool, int bf16,
                        const int64_t *restrict table, int64_t first, int64_t count, int64_t block, int64_t h,
-                       int64_t kvh, int64_t d, float scale, float *restrict scores, int64_t stride,
-                       float *restrict wide, float *restrict out) {
+                       int64_t kvh, int64_t d, float scale, int64_t from, int64_t to, float *restrict scores,
+                       int64_t stride, float *restrict wide, float *restrict out) {
 #define ATTEND(BF16, D)                                                                                               \
-    attend_rows(q, k_pool, v_pool, BF16, table, first, count, block, h, kvh, D, scale, scores, stride, wide, out)
+    attend_rows(q, k_pool, v_pool, BF16, table, first, count, block, h, kvh, D, scale, from, to, scores, stride, wide, \
+                out)
     if (d == 64)
         bf16 ? ATTEND(1, 64) : ATTEND(0, 64);
     else if (d == 128)
@@ -349,23 +370,28 @@ static int64_t find_runs(const int64_t *restrict tables, const int64_t *restrict
  * heads up to 3640 positions, fewer rows past that. */
 enum { RUN_SCORES = 262144, RUN_ROWS = 8 };
 
-/* Rows s .. s + count - 1 of the call (a run) into out: a bfloat16 query's rows widened (exactly)
- * into `qw` first and their output rounded from `ow` after, as `layerline_paged_attention` says. */
+/* Rows s .. s + count - 1 of the call (a run), query heads `from` .. `to` - 1, into out: a
+ * bfloat16 query's rows widened (exactly) into `qw` first and those heads' output rounded from `ow`
+ * after, as `layerline_paged_attention` says. */
 static inline void run(const void *restrict q, int q_bf16, const char *restrict k_pool, const char *restrict v_pool,
                        int bf16, const int64_t *restrict table, const int64_t *restrict lens, int64_t s, int64_t count,
-                       int64_t block, int64_t h, int64_t kvh, int64_t d, float scale, float *restrict scores,
-                       int64_t scored, float *restrict wide, float *restrict qw, float *restrict ow, void *restrict out) {
+                       int64_t block, int64_t h, int64_t kvh, int64_t d, float scale, int64_t from, int64_t to,
+                       float *restrict scores, int64_t scored, float *restrict wide, float *restrict qw,
+                       float *restrict ow, void *restrict out) {
     const int64_t at = s * h * d, size = count * h * d;
     if (!q_bf16) {
-        attend_run((const float *)q + at, k_pool, v_pool, bf16, table, lens[s], count, block, h, kvh, d, scale, scores,
-                   scored, wide, (float *)out + at);
+        attend_run((const float *)q + at, k_pool, v_pool, bf16, table, lens[s], count, block, h, kvh, d, scale, from,
+                   to, scores, scored, wide, (float *)out + at);
         return;
     }
     attend_run(as_float((const char *)q + 2 * at, size, 1, qw), k_pool, v_pool, bf16, table, lens[s], count, block, h,
-               kvh, d, scale, scores, scored, wide, ow);
-    uint16_t *o = (uint16_t *)out + at;
+               kvh, d, scale, from, to, scores, scored, wide, ow);
+    for (int64_t r = 0; r < count; ++r) {
+        uint16_t *o = (uint16_t *)out + at + r * h * d;
+        const float *w = ow + r * h * d;
 #pragma omp simd
-    for (int64_t i = 0; i < size; ++i) o[i] = narrow(ow[i]);
+        for (int64_t i = from * d; i < to * d; ++i) o[i] = narrow(w[i]);
+    }
 }
 
 /* q [n, h, d], bfloat16 if `q_bf16` else float32; k_pool, v_pool [slots, kvh, d], bfloat16 if
@@ -374,7 +400,10 @@ static inline void run(const void *restrict q, int q_bf16, const char *restrict 
  * call begins and its output rounded once at the end, as torch's conversions around it would.
  * The runs (`find_runs`) are handed out one at a time to whichever thread is free: a decode batch's
  * rows (each a run of one), whose contexts differ, and a prompt's runs, the later ones longer. A
- * thread preempted by another process then delays the rest by the run it holds, not by its share. */
+ * thread preempted by another process then delays the rest by the run it holds, not by its share.
+ * Where there are fewer runs than threads (a lone stream's row), each run's query heads are cut
+ * into as many parts as threads, one part an item: a head's numbers are its own whoever computes
+ * it, and a long context's keys and values are read by every thread, not one. */
 int layerline_paged_attention(const void *restrict q, int q_bf16, const void *restrict k_pool,
                               const void *restrict v_pool, int bf16, const int64_t *restrict tables,
                               const int64_t *restrict lens, int64_t n, int64_t width, int64_t block, int64_t h,
@@ -393,6 +422,7 @@ int layerline_paged_attention(const void *restrict q, int q_bf16, const void *re
     if (starts == NULL) return 1;
     const int64_t runs = find_runs(tables, lens, n, width, block, most, starts);
     const int64_t rows = runs == n ? 1 : most, query = q_bf16 ? 2 * rows * head : 0;
+    const int64_t parts = runs >= threads ? 1 : threads < h ? threads : h; /* each run's query heads cut in parts */
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
@@ -402,9 +432,12 @@ int layerline_paged_attention(const void *restrict q, int q_bf16, const void *re
         float *wide = failed ? NULL : scores + rows * scored, *qw = failed ? NULL : wide + widened,
               *ow = failed ? NULL : qw + rows * head;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t u = 0; u < runs; ++u) /* the longest row's table holds the blocks of them all */
+        for (int64_t item = 0; item < runs * parts; ++item) {
+            const int64_t u = item / parts, part = item % parts; /* the longest row's table holds all the blocks */
             if (scores) run(q, q_bf16, k_pool, v_pool, bf16, tables + (starts[u + 1] - 1) * width, lens, starts[u],
-                            starts[u + 1] - starts[u], block, h, kvh, d, scale, scores, scored, wide, qw, ow, out);
+                            starts[u + 1] - starts[u], block, h, kvh, d, scale, h * part / parts,
+                            h * (part + 1) / parts, scores, scored, wide, qw, ow, out);
+        }
         free(scores);
     }
     if (starts != lone) free(starts);
@@ -424,7 +457,7 @@ void layerline_rotate_and_store(const void *restrict qkv, const void *restrict c
                                 void *restrict v_pool) {
     CONTRACT_OFF
     const int64_t half = d / 2, width = (h + 2 * kvh) * d;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (n * width >= 16384)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (n > 1 && n * width >= 16384)
     for (int64_t r = 0; r < n; ++r) {
         for (int64_t j = 0; j < h + kvh; ++j) {
             const int64_t at = r * width + j * d; /* this head's row in qkv */
@@ -535,7 +568,7 @@ UNFUSED
 void layerline_rms_norm(const void *restrict x, const void *restrict w, int bf16, int64_t rows, int64_t n, float eps,
                         int threads, void *restrict out) {
     const int64_t size = bf16 ? 2 : 4;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (rows * n >= 65536)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (rows > 1 && rows * n >= 65536)
     for (int64_t r = 0; r < rows; ++r) norm_row((const char *)x + r * n * size, w, bf16, n, eps, (char *)out + r * n * size);
 }
 
@@ -547,7 +580,7 @@ void layerline_add_rms_norm(const void *restrict x, const void *restrict y, cons
                             int64_t rows, int64_t n, float eps, int threads, void *restrict sum, void *restrict out) {
     CONTRACT_OFF
     const int64_t size = bf16 ? 2 : 4;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (rows * n >= 8192)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (rows > 1 && rows * n >= 8192)
     for (int64_t r = 0; r < rows; ++r) {
         if (bf16) {
             const uint16_t *xr = (const uint16_t *)x + r * n, *yr = (const uint16_t *)y + r * n;
@@ -601,7 +634,7 @@ UNFUSED
 void layerline_silu_mul(const void *restrict gate_up, int bf16, int64_t rows, int64_t width, int threads,
                         void *restrict out) {
     CONTRACT_OFF
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (rows * width >= 8192)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (rows > 1 && rows * width >= 8192)
     for (int64_t r = 0; r < rows; ++r) {
         if (bf16) {
             const uint16_t *g = (const uint16_t *)gate_up + r * 2 * width, *up = g + width;
