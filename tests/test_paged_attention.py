@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from layerline.shared.model_config import LayerRange, ModelConfig
+from layerline.stage_worker import kernel_args
 from layerline.stage_worker.fused import norm_kernel, silu_kernel
 from layerline.stage_worker.kv_cache import CacheShape, PagedKVCache, StepLayout
 from layerline.stage_worker.llama import StageModel, batch_decode_attention, gathered_decode_attention
@@ -23,6 +24,7 @@ from layerline.stage_worker.paged_attention import (
 )
 
 pytestmark = pytest.mark.timeout(60)
+FLOAT_OVER_BF16 = pytest.param(torch.float32, torch.bfloat16, id="float32-over-bfloat16")
 HAS_COMPILER = shutil.which("cc") is not None or shutil.which("gcc") is not None
 
 
@@ -54,12 +56,10 @@ def pools_path(request, monkeypatch, kernel_home):
     rotary_kernel.cache_clear()
 
 
-def scattered_batch(
-    lengths: list[int], *, kv_heads: int, block_size: int = 4, dtype: torch.dtype = torch.float32
-) -> tuple[PagedKVCache, StepLayout]:
+def scattered_batch(lengths: list[int], *, kv_heads: int, block_size: int = 4) -> tuple[PagedKVCache, StepLayout]:
     """A pool whose sequences' blocks interleave (they grew a token at a time, side by side),
     every slot random, then one decode step of each: its layout."""
-    cache = PagedKVCache(CacheShape(64, block_size, kv_heads, 8), layer_ids=range(1), dtype=dtype)
+    cache = PagedKVCache(CacheShape(64, block_size, kv_heads, 8), layer_ids=range(1), dtype=torch.float32)
     names = [f"s{i}" for i in range(len(lengths))]
     for name in names:
         cache.reserve(name, 1)
@@ -173,25 +173,54 @@ def test_a_decode_layer_through_the_kernels_rotary_is_torchs_to_the_bit(pools_pa
     assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
 
 
+SHAPES = [  # (heads, kv heads, head size, block): groups of 3, 8 (4 heads at once), 1; more threads than heads
+    (9, 3, 8, 4),
+    (16, 2, 64, 16),
+    (8, 1, 128, 16),
+    (2, 2, 16, 4),
+]
+
+
 @pytest.mark.parametrize("pools_path", ["compiled"], indirect=True)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("lengths", [[1, 8, 15, 22, 6], [57]], ids=["uneven", "lone"])
+@pytest.mark.parametrize(("q_dtype", "pool_dtype"), [(torch.float32,) * 2, (torch.bfloat16,) * 2, FLOAT_OVER_BF16])
+@pytest.mark.parametrize("rows", ["uneven", "lone", "run"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}kv{}d{}b{}".format(*s))
 @pytest.mark.parametrize("threads", [2, 3, 7])
-def test_a_decode_batch_gives_the_same_bits_whatever_the_threads(threads, lengths, dtype, pools_path):
-    """Rows go to whichever thread is free, and where there are fewer rows than threads each row's
-    query heads are cut in parts (more threads than cores, or than heads, too): each head of each
-    row is still one thread's, summed in the same order."""
-    cache, layout = scattered_batch(lengths, kv_heads=3, dtype=dtype)
-    q = torch.randn(len(lengths), 9, 8, generator=torch.Generator().manual_seed(2)).to(dtype)
+def test_attention_gives_the_same_bits_whatever_the_threads(threads, shape, rows, q_dtype, pool_dtype, pools_path):
+    """Rows go to whichever thread is free, and where there are fewer runs than threads each run's
+    query heads are cut in parts (mid kv head too; more threads than cores, heads or rows): each
+    head of each row is still one thread's, summed in the same order as one thread sums it."""
+    h, kvh, d, block = shape
+    slots = 64 * block
+    gen = torch.Generator().manual_seed(threads * 100 + h)
+    k_pool, v_pool = (torch.randn(slots, kvh, d, generator=gen).to(pool_dtype) for _ in range(2))
+    blocks = torch.randperm(64, generator=gen)
+    width = 5
+    if rows == "run":  # one sequence's consecutive rows (a prompt's, a token and its drafts): one run
+        lens = torch.arange(2 * block - 3, 2 * block + 3)
+        tables = blocks[:width].repeat(len(lens), 1)
+    else:
+        uneven = [1, 2 * block, 3 * block + 5, block - 1, 4 * block]
+        lens = torch.tensor(uneven if rows == "uneven" else [3 * block + 7])
+        tables = blocks[: width * len(lens)].view(len(lens), width)
+    batch = kernel_args.decode_batch(tables.contiguous(), lens, block=block, slots=slots)
+    q = torch.randn(len(lens), h, d, generator=gen).to(q_dtype)
+    kernel = compiled_kernel()
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        alone = paged_decode_attention(q, cache.k[0], cache.v[0], layout=layout)
+        alone = kernel(q, k_pool, v_pool, batch)
         torch.set_num_threads(threads)
-        for _ in range(5):
-            assert torch.equal(paged_decode_attention(q, cache.k[0], cache.v[0], layout=layout), alone)
+        for _ in range(3):
+            assert torch.equal(kernel(q, k_pool, v_pool, batch), alone)
     finally:
         torch.set_num_threads(before)
-    reference = bagged_decode_attention(q.float(), cache.k[0].float(), cache.v[0].float(), layout=layout)
-    close = {"rtol": 0.05, "atol": 0.05} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-6}
-    torch.testing.assert_close(alone.float(), reference, **close)
+    # and the numbers are attention's: each row over its own positions, through torch
+    for i, length in enumerate(lens.tolist()):
+        positions = torch.tensor([int(tables[i, p // block]) * block + p % block for p in range(length)])
+        keys, values = k_pool[positions].float(), v_pool[positions].float()
+        group = h // kvh
+        scores = torch.einsum("hd,phd->hp", q[i].float(), keys.repeat_interleave(group, dim=1)) * d**-0.5
+        expected = torch.einsum("hp,phd->hd", scores.softmax(-1), values.repeat_interleave(group, dim=1))
+        tolerance = 0.02 if torch.bfloat16 in (q_dtype, pool_dtype) else 1e-4
+        torch.testing.assert_close(alone[i].float().view(h, d), expected, rtol=tolerance, atol=tolerance)
