@@ -457,7 +457,7 @@ void layerline_rotate_and_store(const void *restrict qkv, const void *restrict c
                                 void *restrict v_pool) {
     CONTRACT_OFF
     const int64_t half = d / 2, width = (h + 2 * kvh) * d;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (n > 1 && n * width >= 16384)
+#pragma omp parallel for num_threads(threads) schedule(static) if (n > 1 && n * width >= 16384)
     for (int64_t r = 0; r < n; ++r) {
         for (int64_t j = 0; j < h + kvh; ++j) {
             const int64_t at = r * width + j * d; /* this head's row in qkv */
@@ -568,7 +568,7 @@ UNFUSED
 void layerline_rms_norm(const void *restrict x, const void *restrict w, int bf16, int64_t rows, int64_t n, float eps,
                         int threads, void *restrict out) {
     const int64_t size = bf16 ? 2 : 4;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (rows > 1 && rows * n >= 65536)
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows > 1 && rows * n >= 65536)
     for (int64_t r = 0; r < rows; ++r) norm_row((const char *)x + r * n * size, w, bf16, n, eps, (char *)out + r * n * size);
 }
 
@@ -580,7 +580,7 @@ void layerline_add_rms_norm(const void *restrict x, const void *restrict y, cons
                             int64_t rows, int64_t n, float eps, int threads, void *restrict sum, void *restrict out) {
     CONTRACT_OFF
     const int64_t size = bf16 ? 2 : 4;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (rows > 1 && rows * n >= 8192)
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows > 1 && rows * n >= 8192)
     for (int64_t r = 0; r < rows; ++r) {
         if (bf16) {
             const uint16_t *xr = (const uint16_t *)x + r * n, *yr = (const uint16_t *)y + r * n;
@@ -634,7 +634,7 @@ UNFUSED
 void layerline_silu_mul(const void *restrict gate_up, int bf16, int64_t rows, int64_t width, int threads,
                         void *restrict out) {
     CONTRACT_OFF
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (rows > 1 && rows * width >= 8192)
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows > 1 && rows * width >= 8192)
     for (int64_t r = 0; r < rows; ++r) {
         if (bf16) {
             const uint16_t *g = (const uint16_t *)gate_up + r * 2 * width, *up = g + width;
