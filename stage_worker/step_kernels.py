@@ -95,9 +95,10 @@ class StepKernels:
         self._heads, self._kv_heads, self._d = heads, kv_heads, d
         self._pool = (batch.slots, kv_heads, d)
         self._qkv = (rows, (heads + 2 * kv_heads) * d)
-        # Every kernel's team: a lone row's attention cuts its heads among the threads, at any
-        # context (its keys and values are cold after a layer's products streamed: a 40-token
-        # prompt's lone steps were no slower); the others share out rows, and one runs on one.
+        # Every kernel gets the step's team. A lone row's attention cuts its heads among the
+        # threads at any context (its keys and values are cold once a layer's products have
+        # streamed: a 40-token prompt's lone steps were no slower); the other kernels share out
+        # rows, so with one row they open no parallel region (kernels/paged_attention.c).
         self._threads = torch.get_num_threads()
 
     @property
