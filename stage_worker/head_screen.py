@@ -80,7 +80,6 @@ class HeadScreen(nn.Module):
         self._linear, self._argmax = kernel.unchecked["blocks_i8_linear"], kernel.unchecked["blocks_screened_argmax"]
         self._bf16, self._fan_in = int(dtype == torch.bfloat16), fan_in
         self.max_rows = MAX_ROWS[dtype]
-        self._best = torch.empty(max(MAX_ROWS.values()))  # each row's winning logit
 
     @classmethod
     def of(cls, head: nn.Module | None, vocab: int) -> HeadScreen | None:
@@ -106,21 +105,16 @@ class HeadScreen(nn.Module):
         if x.dim() != 2 or x.shape[1] != self._fan_in or x.dtype != self.blocked.dtype:
             raise ValueError(f"rows of {self._fan_in} {self.blocked.dtype}, not {list(x.shape)} {x.dtype}")
         rows = x.shape[0]
-        if not 0 < rows <= min(self.max_rows, self._best.numel()):
+        if not 0 < rows <= self.max_rows:
             return None
         x = x.contiguous()
-        screen = self.products(x.float() if self._bf16 else x)  # [R, out]
-        best, out, row_bytes = self._best, screen.shape[1], self._fan_in * x.element_size()
+        screen = self.products(x.float() if self._bf16 else x)  # [R, out]: each row becomes its answer
+        out, row_bytes = screen.shape[1], self._fan_in * x.element_size()
         shared = (self.blocked.data_ptr(), self.bounds.data_ptr(), self.vocab, self._fan_in, self._bf16)
-        chosen = []
         for r in range(rows):
-            at = (x.data_ptr() + r * row_bytes, shared[0], screen.data_ptr() + r * out * 4, *shared[1:])
-            chosen.append(self._argmax(*at, best.data_ptr() + 4 * r))
-            if chosen[-1] < 0:
+            if self._argmax(x.data_ptr() + r * row_bytes, shared[0], screen.data_ptr() + r * out * 4, *shared[1:]) < 0:
                 return None
-        logits = torch.full((rows, self.vocab), -torch.inf)
-        logits[torch.arange(rows), torch.tensor(chosen)] = best[:rows]
-        return logits
+        return screen[:, : self.vocab]
 
     def products(self, x: torch.Tensor) -> torch.Tensor:
         """Contiguous float32 rows x [R, in] times the codes, each output scaled: s [R, out]."""
