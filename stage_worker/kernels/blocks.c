@@ -75,7 +75,10 @@ static inline __m512 widen16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli
  * a row), the weights and y bfloat16 where `bf16` (`nx` and `bf16` constants where it is inlined).
  * `next`, if not NULL, the next block: this sweep (`phase` of `stride` sweeps of the block) asks for
  * every stride-th of its inputs' weights, from the phase-th on, into the second-level cache, so
- * reading it spreads over the block's sweeps. */
+ * reading it spreads over the block's sweeps. A block swept once (up to TILE rows) asks instead for
+ * the next block's first AHEAD_BYTES as it ends, as if it followed it: SmolLM2's 121 float32
+ * products of a lone row 2-4% quicker so (2 cores of an Intel Xeon, family 6 model 106; bfloat16's
+ * the same either way) than asking for all of the next block's lines meanwhile. */
 static inline __attribute__((always_inline)) void tile(const float *x, int64_t in, int nx, int kind, const void *wb,
                                                        const void *next, int64_t phase, int64_t stride,
                                                        __m512 low_bias, __m512 high_bias, void *y, int64_t out) {
@@ -83,11 +86,13 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t i
     const int64_t width = kind == I8 ? 32 : bf16 ? 64 : 128; /* bytes of an input's 32 weights */
     __m512 a[TILE][2];
     for (int q = 0; q < TILE; ++q) a[q][0] = a[q][1] = _mm512_setzero_ps();
-    int64_t ahead = next ? phase : in; /* the next input of the next block to ask for */
+    int64_t ahead = next && stride > 1 ? phase : in; /* the next input of the next block to ask for */
     for (int64_t k = 0; k < in; ++k) {
         if (phase == 0) { /* the first sweep reads this block from memory: ask ahead */
-            _mm_prefetch((const char *)wb + k * width + AHEAD_BYTES, _MM_HINT_T0);
-            if (kind == F32) _mm_prefetch((const char *)wb + k * width + AHEAD_BYTES + 64, _MM_HINT_T0);
+            const int64_t at = k * width + AHEAD_BYTES; /* swept once: past the block's end, into the next */
+            const char *p = at < in * width || stride > 1 || !next ? (const char *)wb + at : (const char *)next + (at - in * width);
+            _mm_prefetch(p, _MM_HINT_T0);
+            if (kind == F32) _mm_prefetch(p + 64, _MM_HINT_T0);
         }
         if (k == ahead) {
             _mm_prefetch((const char *)next + k * width, _MM_HINT_T1);
