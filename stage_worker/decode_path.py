@@ -95,14 +95,21 @@ class DecodePath:
         kernels = bind(layout, cos, sin, pool=pool, heads=model.shards.num_heads, silu_width=model.shards.intermediate)
         if kernels is None or not kernels.norms or x.dtype != kernels.dtype or layers[0].input_norm.dtype != x.dtype:
             return None  # every layer's norm weights share one dtype (`_plan`)
-        if self.stack is not None:  # the same calls on the same tensors, in C (layer_stack.py)
+        normed = None  # the final norm of every row, where the stack makes it
+        if self.stack is not None and model.lm_head is not None and self.stack.final_norm is not None:
+            x, normed = self.stack.normed(x, kernels, cache)  # the same calls on the same tensors, in C
+        elif self.stack is not None:
             x = self.stack(x, kernels, cache)
         else:
             x = _layers(x, layers, kernels, cache, eps)
         if model.lm_head is None:
             return x
         assert model.norm is not None  # the last stage holds both
-        x = model.norm(x if logit_rows is None else x[logit_rows])
+        if normed is None:
+            normed = model.norm(x if logit_rows is None else x[logit_rows])
+        elif logit_rows is not None:
+            normed = normed[logit_rows]  # each row normalized alone: the same numbers either way
+        x = normed
         if (screened := model.screened(x, argmax_only)) is not None:  # few greedy rows (head_screen.py)
             return screened
         logits = model.lm_head(x)  # [R, vocab padded]

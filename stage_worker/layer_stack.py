@@ -17,7 +17,8 @@ its layers' four products is an `fma_blocks.BoundBlocks` of one dtype, their nor
 A call takes the step's bound kernels (step_kernels.StepKernels, where their RMSNorm and SiLU
 serve), checks what the C will read against them (the rows, each layer's pools; the weights'
 addresses are read again), and returns the residual after the last layer: what the loops return
-before the final norm and the head.
+before the final norm and the head; `normed` returns it with the final norm of it, made in the
+same call where the stage holds the head (`final_norm`).
 
 Knows a Llama layer's order of operations and the C's arguments; nothing of checkpoints, of the
 engine or the network.
@@ -64,6 +65,9 @@ class LayerStack:
         self._bound_values = tuple(self._bound_for.values())
         # Scratch, in elements: [rows, hidden] x 4, [rows, (h + 2 kvh) d], [rows, h d] x 2, [rows, 2 w], [rows, w].
         self._widths = (self._hidden,) * 4 + ((h + 2 * kvh) * d, h * d, h * d, 2 * w, w)
+        norm = model.norm.weight.detach() if model.norm is not None and model.lm_head is not None else None
+        fits = norm is not None and norm.dtype == dtype and norm.shape == (self._hidden,) and norm.is_contiguous()
+        self.final_norm = norm if fits else None  # the stage's final norm, where `normed` can make it
         self._checked: _Checked | None = None  # the cache, pool shape and addresses last checked, and their C array
         self._scratch: tuple[int, torch.Tensor, ctypes.Array[ctypes.c_void_p]] | None = None  # rows, buffer, C array
 
@@ -93,6 +97,20 @@ class LayerStack:
     def __call__(self, x: torch.Tensor, kernels: StepKernels, cache: PagedKVCache) -> torch.Tensor:
         """The residual after the last layer for the step's rows x [rows, hidden]: ValueError,
         naming what differs, where the step's kernels, the rows or a pool are not the stack's."""
+        return self._run(x, kernels, cache, None)
+
+    def normed(self, x: torch.Tensor, kernels: StepKernels, cache: PagedKVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual after the last layer and the stage's final norm of it (`StageModel.norm`'s
+        numbers, to the bit: the kernel the model's norm calls), in one call; ValueError as the call
+        says, and where the stack has no `final_norm`."""
+        if self.final_norm is None:
+            raise ValueError("this stack has no final norm: its stage holds no head, or a norm of another dtype")
+        normed = torch.empty_like(x)
+        return self._run(x, kernels, cache, normed), normed
+
+    def _run(
+        self, x: torch.Tensor, kernels: StepKernels, cache: PagedKVCache, normed: torch.Tensor | None
+    ) -> torch.Tensor:
         bound, rows = kernels.bound, kernels.rows
         if not kernels.norms or kernels.dtype != self._dtype:
             raise ValueError(
@@ -106,6 +124,9 @@ class LayerStack:
             raise ValueError(f"rows {list(x.shape)} {x.dtype}: the stack takes [{rows}, {self._hidden}] {self._dtype}")
         pointers = self._addresses(cache, bound.pool)  # first: a pool it refuses is never read
         out = torch.empty_like(x)
+        final: tuple[int | None, int | None] = (None, None)  # the final norm's weight and output, where made
+        if normed is not None and self.final_norm is not None:
+            final = (self.final_norm.data_ptr(), normed.data_ptr())
         dims = (ctypes.c_int64 * 8)(rows, self._hidden, self._heads, self._kv_heads, self._head_dim)
         dims[5:] = [self._intermediate, bound.width, bound.block]
         failed = bound.functions["blocks_layers"](
@@ -121,6 +142,7 @@ class LayerStack:
             bound.threads,
             x.data_ptr(),
             out.data_ptr(),
+            *final,
         )
         if failed:
             what = "scores of the attention" if failed > 0 else "a product's widened rows"

@@ -75,7 +75,7 @@ SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "blocks_bf16_linear": ([_P, _P, _P, _I, _I, _I, _INT, _P], _INT),
     "blocks_i8_linear": ([_P, _P, _P, _I, _I, _I, _INT, _P], _INT),
     "blocks_screened_argmax": ([_P, _P, _P, _P, _I, _I, _INT], _I),
-    "blocks_layers": ([_I, _P, _P, _P, _P, _INT, _FLOAT, _FLOAT, _INT, _INT, _P, _P], _INT),
+    "blocks_layers": ([_I, _P, _P, _P, _P, _INT, _FLOAT, _FLOAT, _INT, _INT, _P, _P, _P, _P], _INT),
     "rows_i8_vectorized": ([], _INT),
     "rows_i8": ([_P, _P, _P, _P, _P, _I, _I, _I, _INT, _P], None),
     "rows_i4_vectorized": ([], _INT),

@@ -240,8 +240,13 @@ class RowPath:
             norm, silu_mul, compiled = kernels.norm, kernels.silu, True
         new = slots.stop - 1  # the new token's slot
         layers = plan.layers
+        normed = None  # the final norm, where the stack makes it
         if self.stack is not None and kernels is not None and compiled:  # the same math in C (layer_stack.py)
-            x, layers = self.stack(x.contiguous(), kernels, cache), ()
+            if plan.head is not None and self.stack.final_norm is not None:
+                x, normed = self.stack.normed(x.contiguous(), kernels, cache)
+            else:
+                x = self.stack(x.contiguous(), kernels, cache)
+            layers = ()
         # Slices and views rather than split, chunk and transposes: each call after a product runs
         # cold, and these are most of a layer's calls (a step in bfloat16 20.4-20.6 against
         # 21.0-21.4 ms, float32 25.0 against 26.0; one process, two threads, Intel Xeon with AMX).
@@ -263,7 +268,7 @@ class RowPath:
         if plan.head is None:
             return x
         assert plan.norm is not None  # the last stage holds both
-        x = row_norm(x, plan.norm, eps)
+        x = normed if normed is not None else row_norm(x, plan.norm, eps)
         if (screened := model.screened(x, argmax_only)) is not None:  # a greedy row (head_screen.py)
             return screened
         logits = plan.head.product(x)  # [1, vocab padded]

@@ -64,19 +64,23 @@ def _run(stages, prompts: list[list[int]], steps: int) -> tuple[list[torch.Tenso
 @pytest.mark.parametrize("family", ["smollm2", "llama2"])
 def test_the_layers_in_one_call_give_the_loops_numbers_to_the_bit(tmp_path, monkeypatch, dtype, family):
     make_tiny_checkpoint(family, tmp_path, vocab_size=256, **SHAPES[family])
-    calls = []
-    real = layer_stack.LayerStack.__call__
+    calls, normed = [], []
+    real = layer_stack.LayerStack._run
 
-    def counted(self, x, kernels, cache):
+    def counted(self, x, kernels, cache, final):
         calls.append(x.shape[0])
-        return real(self, x, kernels, cache)
+        normed.append(final is not None)
+        return real(self, x, kernels, cache, final)
 
-    monkeypatch.setattr(layer_stack.LayerStack, "__call__", counted)
+    monkeypatch.setattr(layer_stack.LayerStack, "_run", counted)
     for split in ([LayerRange(0, 4)], [LayerRange(0, 1), LayerRange(1, 4)]):
         calls.clear()
+        normed.clear()
         ours, mine = _run(_stages(tmp_path, split, dtype, stack=True), PROMPTS, steps=3)
-        # 3 decode steps of the 13 (the decode path) and 3 of one alone (the row path) a stage
+        # 3 decode steps of the 13 (the decode path) and 3 of one alone (the row path) a stage, the
+        # stages in turn; the last stage's calls make the final norm too
         assert calls == [13] * 3 * len(split) + [1] * 3 * len(split)
+        assert normed == [i % len(split) == len(split) - 1 for i in range(6 * len(split))]
         theirs, their_caches = _run(_stages(tmp_path, split, dtype, stack=False), PROMPTS, steps=3)
         assert len(calls) == 6 * len(split)  # the loops ran there: no call more
         for got, want in zip(ours, theirs, strict=True):
@@ -101,18 +105,24 @@ def test_it_serves_only_where_every_product_is_the_blocks(tmp_path, dtype):
 def test_it_refuses_rows_and_pools_it_was_not_bound_for(tmp_path, monkeypatch, dtype):
     make_tiny_checkpoint("smollm2", tmp_path, vocab_size=256, **SHAPES["smollm2"])
     seen = []
-    real = layer_stack.LayerStack.__call__
+    real, run = layer_stack.LayerStack.__call__, layer_stack.LayerStack._run
 
-    def kept(self, x, kernels, cache):
+    def kept(self, x, kernels, cache, final):
         seen.append((self, x, kernels, cache))
-        return real(self, x, kernels, cache)
+        return run(self, x, kernels, cache, final)
 
-    monkeypatch.setattr(layer_stack.LayerStack, "__call__", kept)
+    monkeypatch.setattr(layer_stack.LayerStack, "_run", kept)
     (stage,) = _stages(tmp_path, [LayerRange(0, 4)], dtype, stack=True)
     _run([stage], PROMPTS[:3], steps=1)
     stack, x, kernels, cache = seen[0]  # a decode step of 3 rows
     loop = decode_path._layers(x, stage.decode_path.layers, kernels, cache, stage.config.rms_norm_eps)
     assert torch.equal(real(stack, x, kernels, cache), loop)  # the same step again, either way
+    residual, normed = stack.normed(x, kernels, cache)  # and with the stage's final norm
+    assert torch.equal(residual, loop) and torch.equal(normed, stage.norm(loop))
+    (first, _) = _stages(tmp_path, [LayerRange(0, 2), LayerRange(2, 4)], dtype, stack=True)
+    assert first.decode_path.stack.final_norm is None  # no head, no final norm
+    with pytest.raises(ValueError, match="no final norm"):
+        first.decode_path.stack.normed(x, kernels, cache)
     with pytest.raises(ValueError, match=r"the stack takes \[3, 96\]"):
         real(stack, x[:2].contiguous(), kernels, cache)
     with pytest.raises(ValueError, match="the stack takes"):

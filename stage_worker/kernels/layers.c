@@ -8,7 +8,8 @@
  * Python made, to the bit: RMSNorm of the input; per layer the qkv product, the rotary with the
  * keys and values stored, the attention, the o product, the residual's sum and the norm after it,
  * gate_up, SiLU of the gate times the up, down, and again the residual's sum and the next layer's
- * norm (after the last layer the sum alone: its norm is computed into scratch and unused). A lone
+ * norm (after the last layer the stage's final norm where it holds the head, into `final_out`; else
+ * the sum alone, its norm computed into scratch and unused). A lone
  * row's loop (rows.py) adds with torch and normalizes apart: the sum-and-norm call gives torch's
  * numbers to the bit (fused.py checks that before the kernels serve).
  *
@@ -49,12 +50,15 @@ static int linear(int bf16, const void *x, const void *w, const void *bias, int6
                 : layerline_blocks_f32_linear(x, w, bias, rows, out, in, threads, y);
 }
 
-/* x [rows, hidden] through `layers` layers into out [rows, hidden] (the residual after the last).
- * Products on `product_threads`, the other kernels on `threads` (as the Python binds them).
- * 0 done; 1 the attention had no memory for its scores; -1 a product had no buffer for its rows. */
+/* x [rows, hidden] through `layers` layers into out [rows, hidden] (the residual after the last),
+ * and where `final_norm` is not NULL its RMSNorm by that weight into final_out [rows, hidden]: the
+ * final norm, the same call as the layers' (a lone float32 row's final norm called from Python
+ * took 0.18 ms of its 26 ms step, its caches cold). Products on `product_threads`, the other
+ * kernels on `threads` (as the Python binds them). 0 done; 1 the attention had no memory for its
+ * scores; -1 a product had no buffer for its rows. */
 int layerline_blocks_layers(int64_t layers, void *const *per_layer, const int64_t *dims, void *const *step,
                             void *const *buffers, int bf16, float eps, float scale, int product_threads,
-                            int threads, const void *x, void *out) {
+                            int threads, const void *x, void *out, const void *final_norm, void *final_out) {
     const int64_t n = dims[ROWS], hidden = dims[HIDDEN], h = dims[HEADS], kvh = dims[KV_HEADS], d = dims[HEAD_DIM];
     const int64_t w = dims[INTERMEDIATE], qkv_width = (h + 2 * kvh) * d;
     void *normed = buffers[NORMED], *product = buffers[PRODUCT];
@@ -78,9 +82,11 @@ int layerline_blocks_layers(int64_t layers, void *const *per_layer, const int64_
             return -1;
         layerline_silu_mul(buffers[GATE_UP_OUT], bf16, n, w, threads, buffers[ACTIVATED]);
         if (linear(bf16, buffers[ACTIVATED], p[DOWN], p[DOWN_BIAS], n, hidden, w, product_threads, product)) return -1;
-        /* The next layer's norm; after the last, the sum alone counts (its norm lands in scratch). */
-        const void *norm = i + 1 < layers ? per_layer[(i + 1) * LAYER + INPUT_NORM] : p[POST_NORM];
-        layerline_add_rms_norm(after_attention, product, norm, bf16, n, hidden, eps, threads, after_mlp, normed);
+        /* The next layer's norm; after the last, the final norm, or the sum alone (its norm in scratch). */
+        const int last = i + 1 == layers;
+        const void *norm = !last ? per_layer[(i + 1) * LAYER + INPUT_NORM] : final_norm ? final_norm : p[POST_NORM];
+        void *norm_out = last && final_norm ? final_out : normed;
+        layerline_add_rms_norm(after_attention, product, norm, bf16, n, hidden, eps, threads, after_mlp, norm_out);
         residual = after_mlp;
     }
     return 0;
