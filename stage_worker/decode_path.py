@@ -23,7 +23,8 @@ It serves a step of two or more decode rows (`StepLayout.decode_only`: decoding 
 the CPU a prompt's rows too, kv_cache.plan_step's `token_rows`; a lone row is rows.py's)
 on one rank (no collectives), where every linear layer of the stage is packed and the kernels
 serve (compiled, their RMSNorm, SiLU and rotary torch's numbers); `__call__` returns None
-otherwise and the modules run. The LM head and the final norm stay the modules'.
+otherwise and the modules run. The LM head stays the module's, and the final norm too where the
+stack does not make it (`LayerStack.normed`).
 
 Knows the model's module names and math, nothing of checkpoints, of the engine or the network.
 """

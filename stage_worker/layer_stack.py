@@ -15,8 +15,8 @@ checks that before the kernels serve). So a step's numbers are the loops' to the
 Owns `LayerStack`: made once for a stage's model (`of`): None unless it has one rank and each of
 its layers' four products is an `fma_blocks.BoundBlocks` of one dtype, their norms of that dtype.
 A call takes the step's bound kernels (step_kernels.StepKernels, where their RMSNorm and SiLU
-serve), checks what the C will read against them (the rows, each layer's pools; the weights'
-addresses are read again), and returns the residual after the last layer: what the loops return
+serve), checks what the C will read against them (the rows, each layer's pools, whose addresses it reads
+at each call; the weights' it read once), and returns the residual after the last layer: what the loops return
 before the final norm and the head; `normed` returns it with the final norm of it, made in the
 same call where the stage holds the head (`final_norm`).
 
@@ -71,9 +71,8 @@ class LayerStack:
         self.final_norm = norm if fits else None  # the stage's final norm, where `normed` can make it
         # Each layer's tensors' addresses, in layers.c's order: read once (`_addresses`)
         self._weights = tuple(tuple(t.data_ptr() if t is not None else None for t in layer.tensors) for layer in layers)
-        self._checked: _Checked | None = (
-            None  # the cache, pool shape and pools' addresses last checked, and the C array
-        )
+        # The cache, pool shape and pools' addresses last checked, and the C array
+        self._checked: _Checked | None = None
         self._scratch: tuple[int, torch.Tensor, ctypes.Array[ctypes.c_void_p]] | None = None  # rows, buffer, C array
 
     @classmethod
@@ -171,9 +170,10 @@ class LayerStack:
 
     def _addresses(self, cache: PagedKVCache, pool: tuple[int, int, int]) -> ctypes.Array[ctypes.c_void_p]:
         """Every layer's tensors' addresses and then its two pools', in layers.c's order. The weights'
-        are read once: the stack holds views of its own (`_layer`), whose storage no other code can
-        swap; the pools' at each call (a cache's pools can be swapped): a lone row's step read all
-        of them again, 360 for SmolLM2, in 0.2 ms of 25, its caches cold. The pools are checked
+        are read once: the stack holds views of its own (`_layer`) of buffers a stage never replaces
+        (layouts.py's packed weights), whose storage no other code can swap; the pools' at each
+        call (a cache's pools can be swapped): a lone row's step read all of them again (180 of the
+        weights and 60 of the pools for SmolLM2) in 0.2 ms of 25, its caches cold. The pools are checked
         against `pool`, the step's, when a cache, a pool shape or an address is first seen, not at
         every step; the C array is the last call's where nothing changed."""
         k, v = cache.k, cache.v

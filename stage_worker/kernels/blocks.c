@@ -19,7 +19,8 @@
  * second-level cache after the first), asking for the next block it claimed meanwhile, a share in
  * each sweep (at 32 rows and more, asking only in the first left the first sweep waiting on memory:
  * float32, 30 layers, 32 rows 44 -> 36 ms), and in the first sweep for the block's own weights
- * AHEAD_BYTES ahead. Claimed, not shared out evenly: a thread the system preempts (a stage's event
+ * AHEAD_BYTES ahead; a block swept once (`tile`) asks instead for the next one's first AHEAD_BYTES
+ * as it ends. Claimed, not shared out evenly: a thread the system preempts (a stage's event
  * loop shares its core with the first thread) leaves the blocks it has not claimed to the others,
  * where an even share had the team wait at the region's end for all of its own. SmolLM2's 121
  * float32 products, one process, 2 cores of an Intel Xeon (family 6 model 106), 20 interleaved
@@ -90,7 +91,8 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t i
     for (int64_t k = 0; k < in; ++k) {
         if (phase == 0) { /* the first sweep reads this block from memory: ask ahead */
             const int64_t at = k * width + AHEAD_BYTES; /* swept once: past the block's end, into the next */
-            const char *p = at < in * width || stride > 1 || !next ? (const char *)wb + at : (const char *)next + (at - in * width);
+            const int past = at >= in * width && stride == 1 && next;
+            const char *p = past ? (const char *)next + (at - in * width) : (const char *)wb + at;
             _mm_prefetch(p, _MM_HINT_T0);
             if (kind == F32) _mm_prefetch(p + 64, _MM_HINT_T0);
         }
@@ -345,7 +347,7 @@ int64_t layerline_blocks_screened_argmax(const void *x, const void *w, float *sc
         }
     }
     free(xs);
-    if (!ok) return -1;
+    if (!ok || chosen < 0) return -1; /* none left (the bounds keep the best one): never write before the row */
     for (int64_t j = 0; j < valid; j += 16) { /* the screen becomes the row `sampler.greedy` reads */
         const __mmask16 m = valid - j < 16 ? (__mmask16)((1u << (valid - j)) - 1) : 0xffff;
         _mm512_mask_storeu_ps(screen + j, m, _mm512_set1_ps(-INFINITY));
