@@ -97,7 +97,7 @@ class DecodePath:
         if kernels is None or not kernels.norms or x.dtype != kernels.dtype or layers[0].input_norm.dtype != x.dtype:
             return None  # every layer's norm weights share one dtype (`_plan`)
         normed = None  # the final norm of every row, where the stack makes it
-        if self.stack is not None and model.lm_head is not None and self.stack.final_norm is not None:
+        if self.stack is not None and self.stack.final_norm is not None:  # a last stage's
             x, normed = self.stack.normed(x, kernels, cache)  # the same calls on the same tensors, in C
         elif self.stack is not None:
             x = self.stack(x, kernels, cache)

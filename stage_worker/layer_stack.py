@@ -15,10 +15,10 @@ checks that before the kernels serve). So a step's numbers are the loops' to the
 Owns `LayerStack`: made once for a stage's model (`of`): None unless it has one rank and each of
 its layers' four products is an `fma_blocks.BoundBlocks` of one dtype, their norms of that dtype.
 A call takes the step's bound kernels (step_kernels.StepKernels, where their RMSNorm and SiLU
-serve), checks what the C will read against them (the rows, each layer's pools, whose addresses it reads
-at each call; the weights' it read once), and returns the residual after the last layer: what the loops return
-before the final norm and the head; `normed` returns it with the final norm of it, made in the
-same call where the stage holds the head (`final_norm`).
+serve), checks what the C will read against them (the rows, each layer's pools, whose addresses
+it reads at each call; the weights' it read once), and returns the residual after the last
+layer: what the loops return before the final norm and the head; `normed` returns it with the
+final norm of it, made in the same call where the stage holds the head (`final_norm`).
 
 Knows a Llama layer's order of operations and the C's arguments; nothing of checkpoints, of the
 engine or the network.
@@ -173,9 +173,9 @@ class LayerStack:
         are read once: the stack holds views of its own (`_layer`) of buffers a stage never replaces
         (layouts.py's packed weights), whose storage no other code can swap; the pools' at each
         call (a cache's pools can be swapped): a lone row's step read all of them again (180 of the
-        weights and 60 of the pools for SmolLM2) in 0.2 ms of 25, its caches cold. The pools are checked
-        against `pool`, the step's, when a cache, a pool shape or an address is first seen, not at
-        every step; the C array is the last call's where nothing changed."""
+        weights and 60 of the pools for SmolLM2) in 0.2 ms of 25, its caches cold. The pools are
+        checked against `pool`, the step's, when a cache, a pool shape or an address is first seen,
+        not at every step; the C array is the last call's where nothing changed."""
         k, v = cache.k, cache.v
         pools = [p for layer in self._layers for p in (k[layer.layer_id].data_ptr(), v[layer.layer_id].data_ptr())]
         last = self._checked

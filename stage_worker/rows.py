@@ -242,7 +242,7 @@ class RowPath:
         layers = plan.layers
         normed = None  # the final norm, where the stack makes it
         if self.stack is not None and kernels is not None and compiled:  # the same math in C (layer_stack.py)
-            if plan.head is not None and self.stack.final_norm is not None:
+            if self.stack.final_norm is not None:  # a last stage's
                 x, normed = self.stack.normed(x.contiguous(), kernels, cache)
             else:
                 x = self.stack(x.contiguous(), kernels, cache)
