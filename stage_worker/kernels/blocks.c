@@ -266,6 +266,9 @@ static inline float bf16_rounded(float f) {
 #define SCREEN_CANDIDATES 512 /* outputs the screen leaves at most: past them the whole product is quicker */
 #define CANDIDATES_AT_ONCE 8 /* outputs left computed together */
 
+/* The first `n` of 16 lanes (all 16 from n = 16 on). */
+static inline __mmask16 lanes(int64_t n) { return n < 16 ? (__mmask16)((1u << n) - 1) : 0xffff; }
+
 /* Output j's weight of input k, W in this file's layout: float32's element (b, k, h, i) is output
  * 32b + 16h + i's, bfloat16's (b, k, i, h). */
 static inline float weight_of(const void *w, int64_t in, int bf16, int64_t j, int64_t k) {
@@ -309,7 +312,7 @@ int64_t layerline_blocks_screened_argmax(const void *x, const void *w, float *sc
     const __m512 tiny = _mm512_set1_ps(0x1p-100f);
     __m512 least = _mm512_set1_ps(-INFINITY), nan = _mm512_setzero_ps(); /* the largest lower bound */
     for (int64_t j = 0; j < valid; j += 16) {
-        const __mmask16 m = valid - j < 16 ? (__mmask16)((1u << (valid - j)) - 1) : 0xffff;
+        const __mmask16 m = lanes(valid - j);
         const __m512 s = _mm512_maskz_loadu_ps(m, screen + j);
         const __m512 e = _mm512_fmadd_ps(nf, _mm512_maskz_loadu_ps(m, bound + j), tiny);
         const __m512 low = _mm512_sub_ps(_mm512_sub_ps(s, e), _mm512_mul_ps(margin, _mm512_add_ps(_mm512_abs_ps(s), e)));
@@ -320,7 +323,7 @@ int64_t layerline_blocks_screened_argmax(const void *x, const void *w, float *sc
     int ok = isfinite(norm) && isfinite(bar) && _mm512_reduce_add_ps(nan) == 0.0f;
     int64_t left[SCREEN_CANDIDATES], count = 0; /* the outputs left, in order */
     for (int64_t j0 = 0; j0 < valid && ok; j0 += 16) {
-        const __mmask16 m = valid - j0 < 16 ? (__mmask16)((1u << (valid - j0)) - 1) : 0xffff;
+        const __mmask16 m = lanes(valid - j0);
         const __m512 s = _mm512_maskz_loadu_ps(m, screen + j0);
         const __m512 e = _mm512_fmadd_ps(nf, _mm512_maskz_loadu_ps(m, bound + j0), tiny);
         const __m512 up = _mm512_add_ps(_mm512_add_ps(s, e), _mm512_mul_ps(margin, _mm512_add_ps(_mm512_abs_ps(s), e)));
@@ -349,7 +352,7 @@ int64_t layerline_blocks_screened_argmax(const void *x, const void *w, float *sc
     free(xs);
     if (!ok || chosen < 0) return -1; /* none left (the bounds keep the best one): never write before the row */
     for (int64_t j = 0; j < valid; j += 16) { /* the screen becomes the row `sampler.greedy` reads */
-        const __mmask16 m = valid - j < 16 ? (__mmask16)((1u << (valid - j)) - 1) : 0xffff;
+        const __mmask16 m = lanes(valid - j);
         _mm512_mask_storeu_ps(screen + j, m, _mm512_set1_ps(-INFINITY));
     }
     screen[chosen] = top;
